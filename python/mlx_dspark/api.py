@@ -1,0 +1,230 @@
+"""The Python API: load a target, generate text through the one verify loop."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from .decode import loop
+from .decode.modes import DEFAULT_MAX_DRAFT, make_proposer
+from .decode.sampling import SamplingParams
+from .errors import UserError
+from .models.loading import load_target
+from .models.target import Target
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    accept_lengths: list[int]
+    finish_reason: str
+    prefill_s: float
+    decode_s: float
+    mode: str = ""
+    model: str = ""
+    logprobs: list[dict] | None = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens committed per decode forward (accepted drafts + 1), pooled over rounds."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        n = max(len(self.tokens) - 1, 0)  # the first token comes from prefill
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+    tokens_per_sec = decode_tps
+
+    @property
+    def e2e_tps(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return len(self.tokens) / total if total > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+            "accept_lengths": self.accept_lengths, "mean_accept_len": round(self.mean_accept_len, 4),
+            "rounds": self.rounds, "finish_reason": self.finish_reason, "mode": self.mode, "model": self.model,
+            "timings": {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
+                        "decode_tps": round(self.decode_tps, 3), "e2e_tps": round(self.e2e_tps, 3)},
+            "stats": self.stats, **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+        }
+
+
+def encode_prompt(tokenizer, prompt, *, chat_template: bool = True, enable_thinking: bool | None = None,
+                  system: str | None = None) -> list[int]:
+    """Token ids of `prompt` (a string or a list of chat messages), through the chat template
+    when the tokenizer has one and `chat_template` is on."""
+    if isinstance(prompt, str) and not prompt:
+        raise UserError("the prompt is empty: pass some text with --prompt")
+    if not prompt:
+        raise UserError("the prompt is empty")
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    if chat_template and has_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system:
+            messages = [{"role": "system", "content": system}] + messages
+        kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    if not isinstance(prompt, str):
+        raise UserError("chat messages need a tokenizer with a chat template")
+    return list(tokenizer.encode(prompt))
+
+
+class TextStream:
+    """Token ids in, text out: safe for multi-byte characters split across tokens, and for stop
+    strings split across chunks (text that could still start a stop string is held back)."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None):
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.stop = [s for s in stop if s]
+        self.on_text = on_text
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def _emit(self, upto: int) -> None:
+        if upto > self.emitted and self.on_text is not None:
+            self.on_text(self.text[self.emitted : upto])
+        self.emitted = max(self.emitted, upto)
+
+    def add(self, tokens: Sequence[int]) -> bool:
+        """Feed tokens; return True once a stop string has been produced."""
+        for t in tokens:
+            self.detok.add_token(int(t))
+        self.text = self.detok.text
+        for s in self.stop:
+            i = self.text.find(s)
+            if i >= 0:
+                self.text = self.text[:i]
+                self.stopped = True
+        if self.stopped:
+            self._emit(len(self.text))
+            return True
+        hold = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        text_ready = len(self.text) - hold
+        # A trailing replacement char means an incomplete multi-byte sequence: hold it back.
+        while text_ready > self.emitted and self.text[text_ready - 1] == "\ufffd":
+            text_ready -= 1
+        self._emit(text_ready)
+        return False
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.detok.finalize()
+            self.text = self.detok.text
+            for s in self.stop:
+                i = self.text.find(s)
+                if i >= 0:
+                    self.text = self.text[:i]
+        self._emit(len(self.text))
+        return self.text
+
+
+def stop_token_ids(target: Target, tokenizer) -> list[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is not None:
+        ids.add(int(eos))
+    cfg = target.config.get("eos_token_id")
+    if isinstance(cfg, int):
+        ids.add(cfg)
+    elif isinstance(cfg, list):
+        ids.update(int(x) for x in cfg)
+    return sorted(ids)
+
+
+def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None, proposer=None,
+             max_new_tokens: int = 256, max_draft: int | None = None, sampling: SamplingParams | None = None,
+             stop: Sequence[str] = (), chat_template: bool = True, enable_thinking: bool | None = None,
+             on_text: Callable[[str], None] | None = None, cancel: Callable[[], bool] | None = None,
+             lookup_long_draft: int = 32, prompt_ids: Sequence[int] | None = None,
+             **drafter_options) -> GenerationResult:
+    """Generate from `prompt` (text or chat messages; or pass `prompt_ids`) with the given mode.
+
+    Output tokens equal plain greedy decoding of `target` at temperature 0, and are an exact
+    sample of it at temperature > 0, whatever the mode."""
+    if max_new_tokens is None or int(max_new_tokens) < 1:
+        raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    sampling = sampling or SamplingParams()
+    sampling.validate()
+    ids = list(prompt_ids) if prompt_ids is not None else encode_prompt(
+        tokenizer, prompt, chat_template=chat_template, enable_thinking=enable_thinking)
+    if not ids:
+        raise UserError("the prompt encodes to no tokens")
+    if proposer is None:
+        proposer = make_proposer(mode, drafter=drafter, lookup_long_draft=lookup_long_draft, **drafter_options)
+    resolved_mode = proposer.name
+    if max_draft is None or max_draft == 0:
+        block = getattr(proposer, "block_drafts", None)  # drafters: the full block
+        max_draft = block if block else DEFAULT_MAX_DRAFT.get(resolved_mode, 16)
+    if resolved_mode == "lookup":
+        max_draft = max(max_draft, lookup_long_draft)
+    if max_draft < 0:
+        raise UserError(f"--max-draft must be >= 0, got {max_draft}")
+    stream = TextStream(tokenizer, stop, on_text)
+
+    def on_tokens(new: list[int]):
+        if stream.add(new):
+            return "stop"
+        if cancel is not None and cancel():
+            return "cancel"
+        return None
+
+    res = loop.run(target, ids, proposer, max_new_tokens=int(max_new_tokens), max_draft=int(max_draft),
+                   sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer), on_tokens=on_tokens)
+    text = stream.finish()
+    return GenerationResult(text=text, tokens=res.tokens, prompt_tokens=res.prompt_tokens,
+                            accept_lengths=res.accept_lengths, finish_reason=res.finish_reason,
+                            prefill_s=res.prefill_s, decode_s=res.decode_s, mode=resolved_mode,
+                            model=target.name, logprobs=res.logprobs, stats=res.proposer_stats)
+
+
+def stream_generate(target: Target, tokenizer, prompt, **kwargs) -> Iterator[str | GenerationResult]:
+    """Yield text chunks as they are committed, then the GenerationResult as the last item."""
+    q: queue.Queue = queue.Queue()
+    stop_flag = threading.Event()
+    user_cancel = kwargs.pop("cancel", None)
+
+    def cancel():
+        return stop_flag.is_set() or (user_cancel is not None and user_cancel())
+
+    def work():
+        try:
+            q.put(generate(target, tokenizer, prompt, on_text=q.put, cancel=cancel, **kwargs))
+        except BaseException as e:  # handed to the consumer
+            q.put(e)
+
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    try:
+        while True:
+            item = q.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if isinstance(item, GenerationResult):
+                return
+    finally:
+        stop_flag.set()
+        th.join()
+
+
+__all__ = ["GenerationResult", "generate", "stream_generate", "load_target", "encode_prompt", "SamplingParams"]

@@ -1,0 +1,65 @@
+"""`mlx-dspark generate`: one prompt, streamed to stdout (or one JSON object with --json)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .common import (add_decode_args, add_model_args, drafter_options, load_from_args, positive_int,
+                     sampling_from_args)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt")
+    add_model_args(p)
+    add_decode_args(p)
+    p.add_argument("--prompt", required=True, help="the user message (or raw text with --no-chat-template)")
+    p.add_argument("--system", help="a system message (chat template only)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--no-thinking", action="store_true", help="ask the chat template for non-thinking mode")
+    p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, accept lengths, timings")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: logprobs of committed tokens and the N most likely alternatives")
+
+
+def run(args) -> int:
+    from ..api import encode_prompt, generate
+    from ..errors import UserError
+
+    if not args.prompt.strip():
+        raise UserError("the prompt is empty: pass some text with --prompt")
+    if args.max_draft is not None and args.max_draft < 0:
+        raise UserError(f"--max-draft must be >= 0, got {args.max_draft}")
+    want_lp = args.logprobs is not None
+    sampling = sampling_from_args(args, logprobs=want_lp, top_logprobs=args.logprobs or 0)
+    target, tokenizer, drafter = load_from_args(args)
+    ids = encode_prompt(tokenizer, args.prompt, chat_template=not args.no_chat_template,
+                        enable_thinking=False if args.no_thinking else None, system=args.system)
+    stream = not (args.no_stream or args.json)
+
+    def on_text(chunk: str) -> None:
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+
+    res = generate(target, tokenizer, None, prompt_ids=ids, mode=args.mode, drafter=drafter,
+                   max_new_tokens=args.max_new_tokens, max_draft=args.max_draft, sampling=sampling,
+                   stop=args.stop, on_text=on_text if stream else None,
+                   lookup_long_draft=args.lookup_long_draft, **drafter_options(args))
+    if args.json:
+        out = res.to_dict()
+        out["model"] = target.source or target.name
+        if drafter is not None:
+            out["drafter"] = getattr(drafter, "source", None)
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        print(res.text)
+    print(f"[{res.mode}] {len(res.tokens)} tokens, mean accept {res.mean_accept_len:.2f}, "
+          f"prefill {res.prefill_s * 1000:.0f} ms, decode {res.decode_tps:.1f} tok/s, "
+          f"end-to-end {res.e2e_tps:.1f} tok/s", file=sys.stderr)
+    return 0

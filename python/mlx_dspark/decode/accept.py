@@ -1,0 +1,66 @@
+"""Acceptance: turning target logits and a draft into committed tokens.
+
+An Acceptor answers three questions for the loop:
+  sample(logits_row, history)         the next token after a plain step, as a lazy mx scalar
+  verify(logits, draft, history)      (n_accepted, next_token) for a width-(k+1) verify
+  token_logprobs(rows, tokens, ...)   logprobs of committed tokens, when asked for
+
+Greedy acceptance is exact prefix matching against the target's argmax (first index on ties),
+done by the fused kernel (kernels.greedy_accept). Sampled acceptance (T > 0) is the exact
+speculative-sampling rule; it lives in `decode/sampled.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from .. import kernels
+from .proposers import Draft
+from .sampling import SamplingParams
+
+
+class GreedyAcceptor:
+    # Plain steps may be issued before the pending token is known (pipelined decode).
+    lazy_ok = True
+
+    def __init__(self, params: SamplingParams | None = None):
+        self.params = params or SamplingParams()
+
+    def sample(self, logits_row: mx.array, history: Sequence[int]) -> mx.array:
+        return mx.argmax(logits_row, axis=-1).astype(mx.int32)
+
+    def verify(self, logits: mx.array, draft: Draft, history: Sequence[int]) -> tuple[int, int]:
+        k = len(draft.tokens)
+        d = mx.array([draft.tokens], dtype=mx.int32) if k else mx.zeros((1, 0), dtype=mx.int32)
+        _, accepted, bonus = kernels.greedy_accept(logits[None, : k + 1], d)
+        mx.eval(accepted, bonus)
+        return int(accepted.item()), int(bonus.item())
+
+    def token_logprobs(self, rows: mx.array, tokens: Sequence[int], history: Sequence[int]) -> list[dict]:
+        return raw_logprobs(rows, tokens, self.params.top_logprobs)
+
+
+def raw_logprobs(rows: mx.array, tokens: Sequence[int], top: int) -> list[dict]:
+    """Log-softmax of `rows` [n, V] at `tokens`, with the `top` most likely alternatives."""
+    lp = rows.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    out = []
+    for i, t in enumerate(tokens):
+        entry = {"token": int(t), "logprob": float(lp[i, int(t)].item())}
+        if top:
+            idx = mx.argsort(-lp[i])[:top]
+            entry["top"] = [(int(j), float(lp[i, int(j)].item())) for j in idx.tolist()]
+        out.append(entry)
+    return out
+
+
+def make_acceptor(params: SamplingParams | None):
+    """Greedy for T = 0 (exactly the greedy path); the lossless sampler otherwise."""
+    params = params or SamplingParams()
+    if params.greedy and not (params.presence_penalty or params.frequency_penalty):
+        return GreedyAcceptor(params)
+    from .sampled import SampledAcceptor  # provided with lossless sampling
+
+    return SampledAcceptor(params)

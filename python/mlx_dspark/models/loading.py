@@ -1,0 +1,99 @@
+"""Resolving and loading targets: a local folder, an HF repo id, or a .gguf file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import UserError
+from .target import Target
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder as is; otherwise an HF repo id, downloaded like mlx-lm does."""
+    if not model or not str(model).strip():
+        raise UserError("--model is empty: pass a local model folder, a .gguf file or an HF repo id")
+    p = Path(model).expanduser()
+    if p.exists():
+        if p.is_dir() and not (p / "config.json").exists():
+            raise UserError(f"{p} is not a model folder: it has no config.json "
+                            "(expected an mlx-lm / Hugging Face layout: config.json + *.safetensors + tokenizer files)")
+        return p
+    looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1
+    if looks_local:
+        raise UserError(f"model path {model!r} does not exist (pass a local folder, a .gguf file, or an HF repo id like org/name)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model",
+                                                              "*.tiktoken", "*.txt", "*.jinja"]))
+    except Exception as e:  # network, auth, missing repo
+        raise UserError(f"could not fetch {model!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                        "pass a local folder or .gguf file with --model") from None
+
+
+def cast_model(model: nn.Module, dtype) -> None:
+    """Cast floating parameters (quantization scales and biases included) to `dtype`."""
+    from mlx.utils import tree_map
+
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+                          model.parameters()))
+
+
+def default_dtype() -> str:
+    """float32 on CPU (BLAS-backed matmuls; bf16 never uses BLAS), bfloat16 on a GPU."""
+    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
+
+
+def load_target(model: str, *, dtype: str | None = None, quantize: int | None = None,
+                kv_bits: int | None = None, probe: bool = True, taps=()) -> tuple[Target, object]:
+    """Load a target and its tokenizer. Returns (target, tokenizer)."""
+    if kv_bits not in (None, 0, 2, 3, 4, 6, 8):
+        raise UserError(f"--kv-bits must be one of 2, 3, 4, 6, 8, got {kv_bits}")
+    if dtype is not None and dtype not in DTYPES:
+        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantize not in (None, 0, 4, 8):
+        raise UserError(f"--quantize must be 4 or 8, got {quantize}")
+    source = str(model)
+    if str(model).lower().endswith(".gguf"):
+        from .gguf import convert_gguf_cached
+
+        path = convert_gguf_cached(Path(model).expanduser(), dtype=dtype or default_dtype(), quantize=quantize)
+        dtype = None  # the converted folder already has the requested precision
+        quantize = None
+    else:
+        path = resolve_model_path(model)
+
+    from mlx_lm.utils import load as mlx_load
+
+    try:
+        net, tokenizer, config = mlx_load(str(path), return_config=True)
+    except UserError:
+        raise
+    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"could not load {source}: {e}") from None
+    if dtype is not None:
+        cast_model(net, DTYPES[dtype])
+    if quantize:
+        nn.quantize(net, group_size=64, bits=int(quantize))
+        if mx.default_device() == mx.cpu:
+            cast_scales_f32(net)
+    target = Target(net, tokenizer, config, name=Path(str(path)).name, kv_bits=kv_bits or None, source=source)
+    if probe:
+        target.probe(taps)
+    return target, tokenizer
+
+
+def cast_scales_f32(model: nn.Module) -> None:
+    """MLX's CPU quantized matmul crawls with fp16/bf16 scales; float32 scales run at full speed."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = tree_flatten(model.parameters())
+    fixed = [(k, v.astype(mx.float32)) for k, v in params if k.endswith((".scales", ".biases")) and v.dtype != mx.float32]
+    if fixed:
+        model.update(tree_unflatten(fixed))

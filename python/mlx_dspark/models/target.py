@@ -1,0 +1,223 @@
+"""The Target: an mlx-lm text model behind one protocol.
+
+The verify loop and the drafters never touch a model family directly. They ask a Target to
+  * run a width-w forward over a KV cache and return logits plus the hidden states of the
+    requested layers (the drafter taps: the raw output of decoder layer `i`, 0-based);
+  * roll that cache back to any accept point (`trim`);
+  * embed tokens and apply the output head (drafters that bind the target's matrices).
+
+Taps are recorded by giving each decoder-layer instance a subclass whose __call__ stores its
+output when a recording is active. The parameter tree is untouched (no wrapper modules), so
+quantization, saving and mlx-lm's own forward keep working on the same object.
+
+`probe()` runs once at load: it checks that the tapped forward reproduces the model's own
+forward, that the fast last-row head matches, and that trim + re-forward reproduces the
+logits (rollback is exact). A model that fails is refused with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import UserError
+
+
+@dataclass
+class ForwardOut:
+    logits: mx.array  # [B, w, V] (or [B, 1, V] with last_only)
+    hidden: mx.array | None  # [B, w, len(taps) * H], concatenated in `taps` order
+
+
+class _TapRecorder:
+    """Shared state of the tapped layers of one model."""
+
+    def __init__(self):
+        self.active: set[int] = set()
+        self.outputs: dict[int, mx.array] = {}
+
+
+def _install_taps(layers: Sequence[nn.Module], recorder: _TapRecorder) -> None:
+    for index, layer in enumerate(layers):
+        base = type(layer)
+        if getattr(base, "_mlx_dspark_tapped", False):
+            continue
+
+        def tapped_call(self, *args, __base=base, **kwargs):
+            out = __base.__call__(self, *args, **kwargs)
+            rec = self._mlx_dspark_recorder
+            if self._mlx_dspark_index in rec.active:
+                # Some families return (h, extra); the hidden state is the first item.
+                rec.outputs[self._mlx_dspark_index] = out[0] if isinstance(out, tuple) else out
+            return out
+
+        sub = type(base.__name__, (base,), {"__call__": tapped_call, "_mlx_dspark_tapped": True})
+        layer.__class__ = sub
+        object.__setattr__(layer, "_mlx_dspark_recorder", recorder)
+        object.__setattr__(layer, "_mlx_dspark_index", index)
+
+
+def _text_config(config: dict) -> dict:
+    return config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+
+
+class Target:
+    """An mlx-lm model plus tokenizer, with tapped forward and rollback."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, config: dict, *, name: str = "",
+                 kv_bits: int | None = None, kv_group_size: int = 64, source: str = ""):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.name = name
+        self.source = source  # where the weights came from (path, repo id, gguf file)
+        self.kv_bits = kv_bits
+        self.kv_group_size = kv_group_size
+        tc = _text_config(config)
+        self.model_type = tc.get("model_type", config.get("model_type", "unknown"))
+        self.layers = list(model.layers)
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(tc.get("hidden_size", 0))
+        self.vocab_size = int(tc.get("vocab_size", 0))
+        self.max_context = int(tc.get("max_position_embeddings") or 0) or None
+        if kv_bits:
+            head_dim = int(tc.get("head_dim") or self.hidden_size // max(int(tc.get("num_attention_heads", 1)), 1))
+            fits = [g for g in (kv_group_size, 64, 32) if head_dim % g == 0]
+            if not fits:
+                raise UserError(f"--kv-bits needs a head dimension divisible by 32; this model's is {head_dim}")
+            self.kv_group_size = fits[0]
+        self._recorder = _TapRecorder()
+        _install_taps(self.layers, self._recorder)
+        self._inner = getattr(model, "model", None) or getattr(model, "language_model", None)
+        self._fast_head = False  # set by probe() once last-row heads are proven equal
+
+    # ------------------------------------------------------------------ cache
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        if self.kv_bits:
+            cache = [c.to_quantized(self.kv_group_size, self.kv_bits) if isinstance(c, KVCache) else c
+                     for c in cache]
+        return cache
+
+    @staticmethod
+    def cache_len(cache: list) -> int:
+        for c in cache:
+            if hasattr(c, "offset"):
+                return int(c.offset)
+        return 0
+
+    @staticmethod
+    def can_trim(cache: list, n: int) -> bool:
+        if n == 0:
+            return True
+        return all(c.is_trimmable() for c in cache)
+
+    @staticmethod
+    def trim(cache: list, n: int) -> None:
+        """Drop the last `n` positions from every layer's cache."""
+        if n <= 0:
+            return
+        for c in cache:
+            trimmed = c.trim(n)
+            if trimmed != n:
+                raise RuntimeError(f"cache {type(c).__name__} trimmed {trimmed} of {n} positions")
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, tokens: mx.array, cache: list, taps: Sequence[int] = (),
+                last_only: bool = False) -> ForwardOut:
+        """Run tokens [B, w] through the model, appending to `cache`.
+
+        With `last_only`, logits are computed for the last position only (prefill)."""
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        rec = self._recorder
+        rec.active = set(taps)
+        rec.outputs = {}
+        try:
+            if last_only and self._fast_head:
+                h = self._inner(tokens, cache=cache)
+                logits = self.head(h[:, -1:, :])
+            else:
+                logits = self.model(tokens, cache=cache)
+                if last_only:
+                    logits = logits[:, -1:, :]
+            hidden = None
+            if taps:
+                hidden = mx.concatenate([rec.outputs[i] for i in taps], axis=-1)
+        finally:
+            rec.active = set()
+            rec.outputs = {}
+        return ForwardOut(logits, hidden)
+
+    # ------------------------------------------------- embedding and head
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self._inner.embed_tokens
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Input embeddings as the model's own forward computes them (family scaling included)."""
+        h = self._inner.embed_tokens(tokens)
+        if self.model_type.startswith("gemma"):
+            h = h * mx.array(self.hidden_size**0.5, dtype=mx.bfloat16).astype(h.dtype)
+        return h
+
+    def head(self, h: mx.array) -> mx.array:
+        """Logits from final-normed hidden states (softcap included where the family has one)."""
+        m = self.model
+        if getattr(m, "lm_head", None) is not None and not getattr(getattr(m, "args", None), "tie_word_embeddings", False):
+            out = m.lm_head(h)
+        else:
+            out = self._inner.embed_tokens.as_linear(h)
+        cap = _text_config(self.config).get("final_logit_softcapping")
+        if cap:
+            out = mx.tanh(out / cap) * cap
+        return out
+
+    # ------------------------------------------------------------------ probe
+    def probe(self, taps: Sequence[int] = ()) -> None:
+        """Prove the tapped forward, the fast head and rollback reproduce the model's own forward.
+
+        Raises UserError naming what differs."""
+        probe_taps = tuple(sorted(set(taps) | {0, self.num_layers - 1}))
+        for t in probe_taps:
+            if not 0 <= t < self.num_layers:
+                raise UserError(f"tap layer {t} is out of range: the target has {self.num_layers} layers (0..{self.num_layers - 1})")
+        vocab = max(self.vocab_size, 2)
+        ids = mx.array([[(17 * i + 3) % vocab for i in range(8)]], dtype=mx.int32)
+
+        ref = self.model(ids, cache=self.make_cache())
+        cache = self.make_cache()
+        out = self.forward(ids, cache, taps=probe_taps)
+        mx.eval(ref, out.logits, out.hidden)
+        tol = 1e-3 * (1.0 + float(mx.abs(ref).max().item()))
+
+        def maxdiff(a, b):
+            return float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item())
+
+        if maxdiff(ref, out.logits) > tol:
+            raise UserError(f"{self.model_type}: the tapped forward does not reproduce the model's own logits; "
+                            "this family needs bespoke support (use --mode baseline)")
+        H = self.hidden_size
+        if out.hidden is None or out.hidden.shape != (1, 8, len(probe_taps) * H):
+            got = None if out.hidden is None else tuple(out.hidden.shape)
+            raise UserError(f"{self.model_type}: tapped hidden states have shape {got}, expected (1, 8, {len(probe_taps) * H}); "
+                            "this family's decoder layers cannot be tapped")
+        # Fast last-row head: prefill computes only the last row of logits when this matches.
+        if self._inner is not None and hasattr(self._inner, "embed_tokens"):
+            try:
+                h = self._inner(ids, cache=self.make_cache())
+                self._fast_head = maxdiff(self.head(h[:, -1:, :]), ref[:, -1:, :]) <= tol
+            except Exception:  # a family whose inner model takes other arguments
+                self._fast_head = False
+        # Rollback: forward 8, trim 3, re-forward those 3 must give the same logits.
+        if self.can_trim(cache, 3):
+            self.trim(cache, 3)
+            again = self.forward(ids[:, 5:], cache).logits
+            if maxdiff(again, ref[:, 5:, :]) > tol or self.cache_len(cache) != 8:
+                raise UserError(f"{self.model_type}: rolling the KV cache back does not reproduce the logits; "
+                                "speculative modes cannot run on this target (use --mode baseline)")

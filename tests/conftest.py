@@ -1,0 +1,32 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+# Run against the source tree when the package is not installed (development); CI installs it.
+try:
+    import mlx_dspark  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(HERE.parent / "python"))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """Write a tiny target of the given family once per session; returns its folder."""
+    from fixtures import write_model
+
+    made = {}
+
+    def make(family="qwen3", **kw):
+        key = (family, tuple(sorted(kw.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"{family}-model")
+            made[key] = write_model(path, family, **kw)
+        return made[key]
+
+    return make
