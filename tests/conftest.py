@@ -7,10 +7,13 @@ import pytest
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 # Run against the source tree when the package is not installed (development); CI installs it.
+SRC = str(HERE.parent / "python")
 try:
     import mlx_dspark  # noqa: F401
 except ImportError:
-    sys.path.insert(0, str(HERE.parent / "python"))
+    sys.path.insert(0, SRC)
+    # Subprocesses (CLI tests) need the same path.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

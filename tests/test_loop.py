@@ -147,3 +147,30 @@ def test_stream_generate_yields_text_then_result(targets):
     items = list(md.stream_generate(target, tok, "hello world", mode="lookup", max_new_tokens=20))
     assert isinstance(items[-1], md.GenerationResult)
     assert "".join(items[:-1]) == items[-1].text
+
+
+def test_text_stream_is_safe_for_split_multibyte_characters(targets):
+    _, tok = targets[("qwen3", 4.0)]
+    text = "日本語 🙂 café naïve"
+    ids = tok.encode(text, add_special_tokens=False)
+    chunks = []
+    stream = md.api.TextStream(tok, on_text=chunks.append, keep_leading_space=True)
+    for t in ids:
+        stream.add([t])
+    assert stream.finish() == text
+    assert "".join(chunks) == text
+    assert not any("\ufffd" in c for c in chunks)
+    assert len(ids) > len(text.split())  # characters really were split across tokens
+
+
+def test_stop_string_cuts_tokens_at_the_completing_token(targets):
+    target, tok = targets[("qwen3", 1.0)]
+    prompt = "repeat: the fox the fox the fox"
+    full = md.generate(target, tok, prompt, mode="baseline", max_new_tokens=60)
+    stop = full.text[20:23]
+    assert stop and stop in full.text
+    for mode in ("baseline", "lookup"):
+        res = md.generate(target, tok, prompt, mode=mode, max_new_tokens=60, stop=[stop])
+        need = next(i for i in range(1, len(full.tokens) + 1) if stop in tok.decode(full.tokens[:i]))
+        assert res.stop_string == stop and res.finish_reason == "stop"
+        assert res.tokens == full.tokens[:need], mode

@@ -28,6 +28,7 @@ class GenerationResult:
     model: str = ""
     logprobs: list[dict] | None = None
     stats: dict = field(default_factory=dict)
+    stop_string: str | None = None  # the stop string that ended generation, if one did
 
     @property
     def rounds(self) -> int:
@@ -57,7 +58,7 @@ class GenerationResult:
             "rounds": self.rounds, "finish_reason": self.finish_reason, "mode": self.mode, "model": self.model,
             "timings": {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
                         "decode_tps": round(self.decode_tps, 3), "e2e_tps": round(self.e2e_tps, 3)},
-            "stats": self.stats, **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+            "stats": self.stats, "stop_string": self.stop_string, **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
         }
 
 
@@ -84,35 +85,51 @@ def encode_prompt(tokenizer, prompt, *, chat_template: bool = True, enable_think
 
 class TextStream:
     """Token ids in, text out: safe for multi-byte characters split across tokens, and for stop
-    strings split across chunks (text that could still start a stop string is held back)."""
+    strings split across chunks (text that could still start a stop string is held back).
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None):
-        self.detok = tokenizer.detokenizer
-        self.detok.reset()
+    Tokens are fed one at a time so that the token completing a stop string is known exactly:
+    `stop_string` is the string that matched, `stop_token_index` the index of that token."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
+                 keep_leading_space: bool = False):
+        from .compat import fresh_detokenizer
+
+        self.detok = fresh_detokenizer(tokenizer, keep_leading_space)
         self.stop = [s for s in stop if s]
         self.on_text = on_text
         self.text = ""
         self.emitted = 0
+        self.n_tokens = 0
         self.stopped = False
+        self.stop_string: str | None = None
+        self.stop_token_index: int | None = None
 
     def _emit(self, upto: int) -> None:
         if upto > self.emitted and self.on_text is not None:
             self.on_text(self.text[self.emitted : upto])
         self.emitted = max(self.emitted, upto)
 
+    def _check_stop(self) -> bool:
+        hits = [(self.text.find(s), s) for s in self.stop if s in self.text]
+        if not hits:
+            return False
+        at, s = min(hits)
+        self.text = self.text[:at]
+        self.stopped, self.stop_string = True, s
+        self.stop_token_index = self.n_tokens - 1
+        return True
+
     def add(self, tokens: Sequence[int]) -> bool:
         """Feed tokens; return True once a stop string has been produced."""
         for t in tokens:
             self.detok.add_token(int(t))
+            self.n_tokens += 1
+            if self.stop:
+                self.text = self.detok.text
+                if self._check_stop():
+                    self._emit(len(self.text))
+                    return True
         self.text = self.detok.text
-        for s in self.stop:
-            i = self.text.find(s)
-            if i >= 0:
-                self.text = self.text[:i]
-                self.stopped = True
-        if self.stopped:
-            self._emit(len(self.text))
-            return True
         hold = 0
         for s in self.stop:
             for n in range(min(len(s) - 1, len(self.text)), 0, -1):
@@ -130,10 +147,7 @@ class TextStream:
         if not self.stopped:
             self.detok.finalize()
             self.text = self.detok.text
-            for s in self.stop:
-                i = self.text.find(s)
-                if i >= 0:
-                    self.text = self.text[:i]
+            self._check_stop()
         self._emit(len(self.text))
         return self.text
 
@@ -156,7 +170,7 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
              stop: Sequence[str] = (), chat_template: bool = True, enable_thinking: bool | None = None,
              on_text: Callable[[str], None] | None = None, cancel: Callable[[], bool] | None = None,
              lookup_long_draft: int = 32, prompt_ids: Sequence[int] | None = None,
-             **drafter_options) -> GenerationResult:
+             keep_leading_space: bool = False, **drafter_options) -> GenerationResult:
     """Generate from `prompt` (text or chat messages; or pass `prompt_ids`) with the given mode.
 
     Output tokens equal plain greedy decoding of `target` at temperature 0, and are an exact
@@ -179,7 +193,7 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
         max_draft = max(max_draft, lookup_long_draft)
     if max_draft < 0:
         raise UserError(f"--max-draft must be >= 0, got {max_draft}")
-    stream = TextStream(tokenizer, stop, on_text)
+    stream = TextStream(tokenizer, stop, on_text, keep_leading_space=keep_leading_space)
 
     def on_tokens(new: list[int]):
         if stream.add(new):
@@ -189,12 +203,19 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
         return None
 
     res = loop.run(target, ids, proposer, max_new_tokens=int(max_new_tokens), max_draft=int(max_draft),
-                   sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer), on_tokens=on_tokens)
+                   sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer), on_tokens=on_tokens,
+                   should_cancel=cancel)
     text = stream.finish()
-    return GenerationResult(text=text, tokens=res.tokens, prompt_tokens=res.prompt_tokens,
+    tokens, logprobs = res.tokens, res.logprobs
+    if stream.stop_token_index is not None:
+        res.finish_reason = "stop"
+        tokens = tokens[: stream.stop_token_index + 1]
+        logprobs = logprobs[: len(tokens)] if logprobs is not None else None
+    return GenerationResult(text=text, tokens=tokens, prompt_tokens=res.prompt_tokens,
                             accept_lengths=res.accept_lengths, finish_reason=res.finish_reason,
                             prefill_s=res.prefill_s, decode_s=res.decode_s, mode=resolved_mode,
-                            model=target.name, logprobs=res.logprobs, stats=res.proposer_stats)
+                            model=target.name, logprobs=logprobs, stats=res.proposer_stats,
+                            stop_string=stream.stop_string)
 
 
 def stream_generate(target: Target, tokenizer, prompt, **kwargs) -> Iterator[str | GenerationResult]:

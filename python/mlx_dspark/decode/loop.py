@@ -48,8 +48,10 @@ class LoopResult:
 TokenCallback = Callable[[list[int]], "str | None"]
 
 
-def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[int]):
-    """Feed the whole prompt; return the last row of logits and the tapped rows of every position."""
+def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[int],
+             should_cancel: Callable[[], bool] | None = None):
+    """Feed the whole prompt; return the last row of logits and the tapped rows of every position,
+    or (None, None) when `should_cancel` said so between chunks."""
     ids = mx.array(list(prompt), dtype=mx.int32)
     hidden_parts = []
     n = len(prompt)
@@ -64,6 +66,8 @@ def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[
             logits = out.logits[0, -1]
         else:
             mx.eval([c.state for c in cache] + ([out.hidden] if out.hidden is not None else []))
+            if should_cancel is not None and should_cancel():
+                return None, None
     hidden = mx.concatenate(hidden_parts, axis=0) if hidden_parts else None
     return logits, hidden
 
@@ -71,7 +75,7 @@ def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[
 def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None, *,
         max_new_tokens: int = 256, max_draft: int = 16, sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] = (), on_tokens: TokenCallback | None = None,
-        cache: list | None = None) -> LoopResult:
+        cache: list | None = None, should_cancel: Callable[[], bool] | None = None) -> LoopResult:
     """Generate up to `max_new_tokens` after `prompt` (token ids). Output is exactly what plain
     decoding of `target` gives (greedy), or an exact sample of it (T > 0)."""
     proposer = proposer or Proposer()
@@ -86,7 +90,11 @@ def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None,
     taps = tuple(proposer.taps)
 
     t0 = time.perf_counter()
-    logits, prompt_hidden = _prefill(target, cache, prompt, taps)
+    logits, prompt_hidden = _prefill(target, cache, prompt, taps, should_cancel)
+    if logits is None:
+        res.finish_reason = "cancelled"
+        res.prefill_s = time.perf_counter() - t0
+        return res
     pending = acceptor.sample(logits, history)
     pending_row = logits[None] if sampling.logprobs else None
     pending_is_round = False  # the first token after prefill is not a round

@@ -1,0 +1,146 @@
+"""`mlx-dspark claude [-- claude args]`: run Claude Code against the local server.
+
+It finds the running server (discovery file, else http://127.0.0.1:8080), builds the Claude Code
+environment for the child process only, and replaces itself with `claude`. Nothing is written:
+no shell profile, no settings file, no login.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import urllib.error
+import urllib.request
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+# Removed from the child: they would send a real Anthropic key to the local server, or route
+# Claude Code to another provider.
+DROP = ("ANTHROPIC_API_KEY", "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX", "CLAUDE_CODE_USE_FOUNDRY")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("claude", help="run Claude Code on the local server",
+                       description="Find the running `mlx-dspark serve`, point Claude Code at it (for the launched "
+                                   "process only) and hand over the terminal. Arguments after -- go to claude.")
+    p.add_argument("--url", help="the server (default: the running one found, else http://127.0.0.1:8080)")
+    p.add_argument("--port", type=int, help="use the running server on this port")
+    p.add_argument("--api-key", help="the server's key (default: from the server's discovery file or "
+                                     "MLX_DSPARK_API_KEY)")
+    p.add_argument("--model", help="the model name Claude Code sends (default: the server's)")
+    p.add_argument("--claude", default="claude", help="the Claude Code executable (default: claude on PATH)")
+    p.add_argument("--print-env", action="store_true", help="print shell exports instead of launching")
+    p.add_argument("--print-settings", action="store_true",
+                   help="print a project .claude/settings.local.json block instead of launching")
+    p.add_argument("claude_args", nargs=argparse.REMAINDER, help="-- then arguments for claude")
+
+
+def _opener():
+    return urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
+
+
+def _health(url: str, key: str | None) -> dict | int | None:
+    """The server's /health, 401 when it wants a (different) key, None when nothing answers."""
+    req = urllib.request.Request(url.rstrip("/") + "/health")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with _opener().open(req, timeout=5) as r:
+            body = json.loads(r.read().decode())
+            return body if isinstance(body, dict) and body.get("model") else None
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, ValueError):
+        return None
+
+
+def _url_of(info: dict) -> str:
+    host = str(info.get("host") or "127.0.0.1")
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{info['port']}"
+
+
+def locate(args) -> tuple[str, str | None, dict]:
+    """(url, key, health) of the server to use, or a UserError saying what was tried."""
+    from ..errors import UserError
+    from ..serve import discovery
+
+    key = args.api_key or os.environ.get("MLX_DSPARK_API_KEY") or None
+    if args.url:
+        candidates = [(args.url.rstrip("/"), key)]
+    else:
+        found = discovery.find()
+        if args.port is not None:
+            found = [f for f in found if f["port"] == args.port]
+        candidates = [(_url_of(f), key or f.get("api_key")) for f in found]
+        if not candidates:
+            candidates = [(f"http://127.0.0.1:{args.port}" if args.port is not None else DEFAULT_URL, key)]
+    live, refused = [], []
+    for url, k in candidates:
+        h = _health(url, k)
+        if isinstance(h, dict):
+            live.append((url, k, h))
+        elif h == 401:
+            refused.append(url)
+    if live:
+        if len(live) > 1:
+            ports = ", ".join(u.rsplit(":", 1)[-1] for u, _, _ in live)
+            print(f"mlx-dspark claude: several servers are running (ports {ports}); using {live[0][0]} "
+                  "(the newest): pass --port to choose", file=sys.stderr)
+        return live[0]
+    if refused:
+        raise UserError(f"the server at {refused[0]} needs an API key: pass --api-key KEY or set MLX_DSPARK_API_KEY")
+    tried = ", ".join(u for u, _ in candidates)
+    where = "" if args.url else f" (looked in {discovery.discovery_dir()} and at {tried})"
+    raise UserError(f"no running mlx-dspark server found{where}: start one with "
+                    "`mlx-dspark serve --model MODEL`, or pass --url")
+
+
+def claude_env(url: str, key: str | None, model: str, window: int | None) -> dict[str, str]:
+    """The variables Claude Code reads, for the child process only."""
+    env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": key or "mlx-dspark", "ANTHROPIC_MODEL": model,
+           "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+           "ANTHROPIC_DEFAULT_SONNET_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+           "CLAUDE_CODE_SUBAGENT_MODEL": model}
+    if window:
+        # Claude Code asks for 32k output tokens by default, which alone overflows small windows.
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(min(32000, max(1024, int(window) // 4)))
+    return env
+
+
+def run(args) -> int:
+    from ..errors import UserError
+
+    extra = list(args.claude_args or [])
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    url, key, health = locate(args)
+    model = args.model or health["model"]
+    env_add = claude_env(url, key, model, health.get("context_window"))
+    if args.print_env:
+        for k, v in env_add.items():
+            print(f"export {k}={shlex.quote(v)}")
+        print("unset " + " ".join(DROP))
+        return 0
+    if args.print_settings:
+        print("# for .claude/settings.local.json in your project (keep it out of version control: "
+              "it holds the server key)", file=sys.stderr)
+        print(json.dumps({"env": env_add}, indent=2))
+        return 0
+    env = {k: v for k, v in os.environ.items() if k not in DROP}
+    env.update(env_add)
+    exe = shutil.which(args.claude, path=env.get("PATH"))
+    if exe is None:
+        raise UserError(f"`{args.claude}` was not found on PATH: install Claude Code "
+                        "(npm install -g @anthropic-ai/claude-code) or pass --claude /path/to/claude; "
+                        "--print-env shows the settings to use by hand")
+    print(f"mlx-dspark claude: {model} at {url}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execve(exe, [exe, *extra], env)
+    return 0  # not reached

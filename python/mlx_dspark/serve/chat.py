@@ -1,0 +1,307 @@
+"""Chat templates in, the model's own syntax out.
+
+Rendering: messages in a neutral (OpenAI-like) form, tools in the OpenAI function shape, go
+through the loaded tokenizer's own chat template, so each family gets its own tool and thinking
+syntax. Parsing: `OutputParser` splits what the model writes into reasoning, text and tool calls,
+incrementally (the same code serves streaming and non-streaming answers). Tool syntaxes:
+
+  Hermes JSON   <tool_call>{"name": ..., "arguments": {...}}</tool_call>        (Qwen, many)
+  XML           <tool_call><function=f><parameter=p>v</parameter></function></tool_call>,
+                or a bare <function=...>...</function>                         (Qwen3-Coder, qwen3_5)
+  Gemma 4       <|tool_call>call:f{key:<|"|>v<|"|>}<tool_call|>
+  the tokenizer's own parser, when mlx-lm inferred one for this model (GLM, Kimi, Mistral, ...)
+
+The XML and Gemma payloads are parsed by mlx-lm's parsers (mlx_lm/tool_parsers).
+Reasoning markers: <think>...</think> and Gemma's <|channel>thought...<channel|>.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .validate import ApiError
+
+THINK_PAIRS = (("<think>", "</think>"), ("<|channel>thought", "<channel|>"))
+
+# HF fast tokenizers are not safe to drive from many threads at once: handler threads take this
+# lock around rendering, encoding and decoding. The engine thread detokenizes with its own copy.
+TOKENIZER_LOCK = threading.Lock()
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+# ----------------------------------------------------------------------------- rendering
+def render(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, enable_thinking: bool | None = None,
+           template_kwargs: dict | None = None, continue_final: bool = False) -> str:
+    """The prompt text for `messages` through the model's own chat template."""
+    if not getattr(tokenizer, "has_chat_template", getattr(tokenizer, "chat_template", None) is not None):
+        raise ApiError(400, "this model has no chat template: use /v1/completions with a raw prompt")
+    kwargs = dict(template_kwargs or {})
+    if enable_thinking is not None:
+        kwargs["enable_thinking"] = enable_thinking
+    if continue_final:
+        kwargs["continue_final_message"] = True
+    try:
+        with TOKENIZER_LOCK:
+            text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                 add_generation_prompt=not continue_final, **kwargs)
+    except Exception as e:  # jinja raises anything: the input caused it, so it is a 400
+        msg = str(e) or type(e).__name__
+        raise ApiError(400, f"the model's chat template could not render these messages: {msg}") from None
+    if not isinstance(text, str):
+        raise ApiError(400, "the model's chat template did not produce text")
+    return text
+
+
+def encode(tokenizer, text: str, *, special: bool = False) -> list[int]:
+    try:
+        with TOKENIZER_LOCK:
+            return list(tokenizer.encode(text, add_special_tokens=special))
+    except Exception as e:  # e.g. lone surrogates that survived JSON decoding
+        raise ApiError(400, f"the prompt could not be tokenized: {e}") from None
+
+
+def decode_token(tokenizer, token: int) -> str:
+    with TOKENIZER_LOCK:
+        return tokenizer.decode([int(token)])
+
+
+def starts_in_reasoning(prompt_text: str) -> bool:
+    """True when the template opened a reasoning block for the model (the prompt ends inside it)."""
+    tail = prompt_text.rstrip()
+    return any(tail.endswith(start) for start, _ in THINK_PAIRS)
+
+
+def think_end_token(tokenizer) -> int | None:
+    """The id of the single token that closes reasoning, if there is one."""
+    try:
+        ids = tokenizer.think_end_tokens
+    except Exception:
+        ids = None
+    return int(ids[0]) if ids and len(ids) == 1 else None
+
+
+# ----------------------------------------------------------------------------- tool syntaxes
+def _hermes(inner: str, tools) -> list[ToolCall]:
+    inner = inner.strip()
+    if inner.startswith("<function="):
+        return _xml(inner, tools)
+    obj = json.loads(inner)
+    items = obj if isinstance(obj, list) else [obj]
+    out = []
+    for it in items:
+        if not isinstance(it, dict) or not isinstance(it.get("name"), str) or not it["name"]:
+            raise ValueError("a tool call needs a name")
+        args = it.get("arguments", it.get("parameters", {}))
+        out.append(ToolCall(it["name"], _as_object(args)))
+    return out
+
+
+def _xml(inner: str, tools) -> list[ToolCall]:
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    out = []
+    for part in inner.split("</function>"):
+        if "<function=" not in part:
+            if part.strip():
+                raise ValueError("text between XML function calls")
+            continue
+        body = part[part.index("<function="):] + "</function>"
+        got = qwen3_coder.parse_tool_call(body, tools)
+        out.append(ToolCall(got["name"], _as_object(got["arguments"])))
+    if not out:
+        raise ValueError("no function in the XML tool call")
+    return out
+
+
+def _gemma(inner: str, tools) -> list[ToolCall]:
+    from mlx_lm.tool_parsers import gemma4
+
+    got = gemma4.parse_tool_call(inner, tools)
+    return [ToolCall(g["name"], _as_object(g["arguments"])) for g in (got if isinstance(got, list) else [got])]
+
+
+def _as_object(args: Any) -> dict:
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    if not isinstance(args, dict):
+        raise ValueError("tool arguments must be an object")
+    return args
+
+
+@dataclass
+class ToolSyntax:
+    start: str
+    end: str
+    parse: Callable[[str, Any], list[ToolCall]]  # parse(text between start and end, tools)
+
+
+BUILTIN_SYNTAXES = [
+    ToolSyntax("<tool_call>", "</tool_call>", _hermes),
+    ToolSyntax("<|tool_call>", "<tool_call|>",
+               lambda inner, tools: _gemma("<|tool_call>" + inner + "<tool_call|>", tools)),
+    ToolSyntax("<function=", "</function>", lambda inner, tools: _xml("<function=" + inner + "</function>", tools)),
+]
+
+
+def tool_syntaxes(tokenizer) -> list[ToolSyntax]:
+    """The built-in syntaxes, plus the tokenizer's own when mlx-lm inferred another one."""
+    out = list(BUILTIN_SYNTAXES)
+    start = getattr(tokenizer, "tool_call_start", None) if tokenizer is not None else None
+    end = getattr(tokenizer, "tool_call_end", None) if tokenizer is not None else None
+    parser = getattr(tokenizer, "tool_parser", None) if tokenizer is not None else None
+    if isinstance(start, str) and isinstance(end, str) and start and parser is not None and \
+            all(s.start != start for s in out):
+        def parse(inner, tools, _p=parser):
+            got = _p(inner, tools)
+            return [ToolCall(g["name"], _as_object(g["arguments"])) for g in (got if isinstance(got, list) else [got])]
+        out.insert(0, ToolSyntax(start, end, parse))
+    return out
+
+
+# ----------------------------------------------------------------------------- output parsing
+def _partial_suffix(text: str, markers) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some marker."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+def _trailing_ws(text: str) -> int:
+    return len(text) - len(text.rstrip())
+
+
+@dataclass
+class OutputParser:
+    """Splits model output into ("reasoning", str), ("text", str) and ("tool_call", ToolCall) events.
+
+    feed() returns the events that are certain so far; text that could still turn into a marker
+    is held back. finish() flushes. Non-streaming answers run the same parser over the whole text.
+    """
+
+    in_reasoning: bool = False  # the template opened a reasoning block
+    continuing: bool = False  # the model continues a prefilled answer: its text is taken as is
+    tools: list | None = None  # tool definitions (OpenAI shape); None = do not parse tool calls
+    syntaxes: list = field(default_factory=lambda: list(BUILTIN_SYNTAXES))
+
+    def __post_init__(self):
+        self.mode = "reasoning" if self.in_reasoning else "text" if self.continuing else "start"
+        self.think_end = THINK_PAIRS[0][1]
+        self.buf = ""
+        self.syntax: ToolSyntax | None = None
+        self.strip_next = not self.continuing  # drop leading whitespace of the next text/reasoning run
+
+    def feed(self, text: str) -> list[tuple]:
+        self.buf += text
+        out: list[tuple] = []
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> list[tuple]:
+        out: list[tuple] = []
+        while self._step(out, final=True):
+            pass
+        if self.mode == "tool" and self.buf:
+            self._close_tool(self.buf[len(self.syntax.start):], self.buf, out)
+            self.buf = ""
+        if self.buf:
+            kind = "reasoning" if self.mode == "reasoning" else "text"
+            text = self.buf.strip() if kind == "reasoning" or self.strip_next else self.buf
+            if text:
+                out.append((kind, text))
+            self.buf = ""
+        return out
+
+    # one transition at a time; returns True when it made progress and should run again
+    def _step(self, out: list, final: bool) -> bool:
+        if self.mode == "start":
+            s = self.buf.lstrip()
+            for start, end in THINK_PAIRS:
+                if s.startswith(start):
+                    self.mode, self.think_end, self.buf, self.strip_next = "reasoning", end, s[len(start):], True
+                    return True
+            if not final and (not s or any(start.startswith(s) for start, _ in THINK_PAIRS)):
+                return False
+            self.mode = "text"
+            return bool(self.buf)
+        if self.mode == "reasoning":
+            return self._run(out, "reasoning", [self.think_end], final, self._end_reasoning)
+        if self.mode == "text":
+            if self.tools is None:
+                return self._run(out, "text", [], final, None)
+            return self._run(out, "text", [s.start for s in self.syntaxes], final, self._open_tool)
+        if self.mode == "tool":
+            i = self.buf.find(self.syntax.end, len(self.syntax.start))
+            if i < 0:
+                return False
+            j = i + len(self.syntax.end)
+            self._close_tool(self.buf[len(self.syntax.start):i], self.buf[:j], out)
+            self.buf = self.buf[j:]
+            self.mode, self.strip_next = "text", True
+            return True
+        return False
+
+    def _run(self, out, kind, markers, final, on_marker) -> bool:
+        if self.strip_next:
+            self.buf = self.buf.lstrip()
+            if not self.buf:
+                return False
+            self.strip_next = False
+        hits = [(self.buf.find(m), m) for m in markers]
+        hits = [(i, m) for i, m in hits if i >= 0]
+        if hits:
+            i, m = min(hits)
+            before = self.buf[:i].rstrip()
+            if before:
+                out.append((kind, before))
+            self.buf = self.buf[i:]
+            on_marker(m)
+            return True
+        if final:
+            return False
+        part = _partial_suffix(self.buf, markers)  # a marker may be starting: hold it and the blanks before it
+        hold = part + _trailing_ws(self.buf[: len(self.buf) - part])
+        ready = self.buf[: len(self.buf) - hold]
+        if ready:
+            out.append((kind, ready))
+            self.buf = self.buf[len(ready):]
+        return False
+
+    def _end_reasoning(self, marker: str) -> None:
+        self.buf = self.buf[len(marker):]
+        self.mode, self.strip_next = "text", True
+
+    def _open_tool(self, marker: str) -> None:
+        self.syntax = next(s for s in self.syntaxes if s.start == marker)
+        self.mode = "tool"
+
+    def _close_tool(self, inner: str, raw: str, out: list) -> None:
+        try:
+            calls = self.syntax.parse(inner, self.tools)
+        except Exception:  # malformed: the model's text stays text, never silently dropped
+            out.append(("text", raw))
+            return
+        out.extend(("tool_call", c) for c in calls)
+
+
+def collect(events: list[tuple]) -> tuple[str, str, list[ToolCall]]:
+    """(reasoning, text, tool_calls) from a whole answer's events."""
+    reasoning = "".join(p for k, p in events if k == "reasoning")
+    text = "".join(p for k, p in events if k == "text")
+    calls = [p for k, p in events if k == "tool_call"]
+    return reasoning, text, calls

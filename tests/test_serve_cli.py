@@ -1,0 +1,134 @@
+"""`mlx-dspark serve` as a process (discovery file, clean exit) and the `mlx-dspark claude` launcher
+with a fake `claude` on PATH: the environment it gets, the arguments passed through, and nothing
+written under HOME."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from serve_support import free_port, make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-key-123"
+
+
+def tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*")} if root.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli")
+    home, run, fakebin = base / "home", base / "run", base / "bin"
+    for d in (home, run, fakebin):
+        d.mkdir()
+    run.chmod(0o700)
+    fake = fakebin / "claude"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    "record = {'argv': sys.argv[1:], 'env': dict(os.environ)}\n"
+                    "json.dump(record, open(os.environ['FAKE_CLAUDE_LOG'], 'w'))\n")
+    fake.chmod(0o755)
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "MLX_DSPARK_", "CLAUDE_CODE_"))}
+    e.update(HOME=str(home), XDG_RUNTIME_DIR=str(run), PYTHONPATH=str(ROOT / "python"),
+             FAKE_CLAUDE_LOG=str(base / "claude.json"))
+    return {"base": base, "home": home, "run": run, "bin": fakebin, "env": e, "model": make_model(base)}
+
+
+@pytest.fixture(scope="module")
+def server(env):
+    e = dict(env["env"], MLX_DSPARK_API_KEY=KEY)
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_dspark", "serve", "--model", str(env["model"]), "--port", "0",
+                             "--no-warmup"], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    d = env["run"] / "mlx-dspark"
+    t0 = time.monotonic()
+    while not (d.exists() and list(d.glob("*.json"))):
+        if proc.poll() is not None or time.monotonic() - t0 > 90:
+            proc.kill()
+            pytest.fail("server did not start:\n" + proc.stdout.read())
+        time.sleep(0.1)
+    info_file = next(d.glob("*.json"))
+    yield {"proc": proc, "file": info_file, "info": json.loads(info_file.read_text())}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def launcher(env, *args, extra_env=None, path_with_fake=True):
+    e = dict(env["env"], **(extra_env or {}))
+    if path_with_fake:
+        e["PATH"] = f"{env['bin']}{os.pathsep}{e.get('PATH', '')}"
+    else:
+        e["PATH"] = str(Path(sys.executable).parent)  # python, but no claude
+    return subprocess.run([sys.executable, "-m", "mlx_dspark", "claude", *args], env=e, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_discovery_file_is_private(server, env):
+    info = server["info"]
+    assert info["pid"] == server["proc"].pid and info["needs_key"] is True and info["api_key"] == KEY
+    assert isinstance(info["port"], int) and info["port"] > 0
+    assert stat.S_IMODE(server["file"].stat().st_mode) == 0o600
+    assert stat.S_IMODE(server["file"].parent.stat().st_mode) == 0o700
+
+
+def test_launcher_execs_claude_with_env_and_args(server, env):
+    before = tree(env["home"])
+    r = launcher(env, "--", "--continue", "-p", "fix the bug", extra_env={"ANTHROPIC_API_KEY": "sk-real-account"})
+    assert r.returncode == 0, r.stderr
+    got = json.loads(Path(env["env"]["FAKE_CLAUDE_LOG"]).read_text())
+    assert got["argv"] == ["--continue", "-p", "fix the bug"]
+    e = got["env"]
+    port = server["info"]["port"]
+    assert e["ANTHROPIC_BASE_URL"] == f"http://127.0.0.1:{port}"
+    assert e["ANTHROPIC_AUTH_TOKEN"] == KEY
+    assert e["ANTHROPIC_MODEL"] == e["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == server["info"]["model"]
+    assert e["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "1024"  # a quarter of the fixture's 4096 window
+    assert "ANTHROPIC_API_KEY" not in e  # the real key never reaches the local server
+    assert e["FAKE_CLAUDE_LOG"] == env["env"]["FAKE_CLAUDE_LOG"]  # the rest of the environment passes through
+    assert tree(env["home"]) == before == {}  # nothing written under HOME
+
+
+def test_print_env_and_settings(server, env):
+    r = launcher(env, "--print-env")
+    assert r.returncode == 0, r.stderr
+    port = server["info"]["port"]
+    assert f"export ANTHROPIC_BASE_URL=http://127.0.0.1:{port}" in r.stdout
+    assert f"export ANTHROPIC_AUTH_TOKEN={KEY}" in r.stdout and "unset ANTHROPIC_API_KEY" in r.stdout
+    r = launcher(env, "--print-settings")
+    settings = json.loads(r.stdout)
+    assert settings["env"]["ANTHROPIC_BASE_URL"] == f"http://127.0.0.1:{port}"
+    assert tree(env["home"]) == {}
+
+
+def test_clear_errors(server, env):
+    r = launcher(env, path_with_fake=False)
+    assert r.returncode == 2 and "was not found on PATH" in r.stderr
+    r = launcher(env, "--api-key", "wrong", "--print-env")
+    assert r.returncode == 2 and "needs an API key" in r.stderr
+    empty = env["base"] / "empty-run"
+    empty.mkdir(exist_ok=True)
+    r = launcher(env, "--port", str(free_port()), extra_env={"XDG_RUNTIME_DIR": str(empty)})
+    assert r.returncode == 2 and "no running mlx-dspark server found" in r.stderr and "mlx-dspark serve" in r.stderr
+
+
+def test_server_answers_and_exits_cleanly(server, env):
+    import openai
+
+    port = server["info"]["port"]
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=30)
+    r = c.chat.completions.create(model=server["info"]["model"], messages=[{"role": "user", "content": "hi"}],
+                                  max_tokens=4)
+    assert r.usage.completion_tokens >= 1
+    server["proc"].send_signal(signal.SIGTERM)
+    assert server["proc"].wait(timeout=20) == 0
+    assert not server["file"].exists()  # the discovery file goes with the server
