@@ -189,6 +189,10 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
     if max_draft is None or max_draft == 0:
         block = getattr(proposer, "block_drafts", None)  # drafters: the full block
         max_draft = block if block else DEFAULT_MAX_DRAFT.get(resolved_mode, 16)
+        if getattr(proposer, "lookup_drafts", False):
+            # Free n-gram drafts inside drafter rounds may run long; drafter drafts stay capped
+            # at the block by the proposer itself.
+            max_draft = max(max_draft, lookup_long_draft)
     if resolved_mode == "lookup":
         max_draft = max(max_draft, lookup_long_draft)
     if max_draft < 0:

@@ -29,8 +29,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target precision (default: the checkpoint's; float32 for GGUF on CPU)")
     g.add_argument("--quantize", type=int, choices=[4, 8], help="re-quantize the target to MLX affine 4/8-bit")
     g.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 6, 8], help="quantize the KV cache")
-    g.add_argument("--drafter-bits", type=int, choices=[4, 8, 16], default=4,
-                   help="drafter precision: 4/8-bit quantized at load, or 16 = as stored (default 4)")
+    g.add_argument("--drafter-bits", type=int, choices=[4, 8, 16], default=None,
+                   help="drafter precision: 4/8-bit quantized at load, or 16 = unquantized "
+                        "(default: 4 on a GPU; 16 on CPU, where MLX's quantized matmul does not batch)")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:

@@ -91,7 +91,9 @@ class Target:
             self.kv_group_size = fits[0]
         self._recorder = _TapRecorder()
         _install_taps(self.layers, self._recorder)
-        self._inner = getattr(model, "model", None) or getattr(model, "language_model", None)
+        # Multimodal wrappers (gemma3, gemma4) hold the text model as `language_model`.
+        self._lm = getattr(model, "language_model", None) or model
+        self._inner = getattr(self._lm, "model", None)
         self._fast_head = False  # set by probe() once last-row heads are proven equal
 
     # ------------------------------------------------------------------ cache
@@ -168,7 +170,7 @@ class Target:
 
     def head(self, h: mx.array) -> mx.array:
         """Logits from final-normed hidden states (softcap included where the family has one)."""
-        m = self.model
+        m = self._lm
         if getattr(m, "lm_head", None) is not None and not getattr(getattr(m, "args", None), "tie_word_embeddings", False):
             out = m.lm_head(h)
         else:

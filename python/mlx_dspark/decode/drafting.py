@@ -1,0 +1,221 @@
+"""The DSpark / DFlash Proposer: a block drafter behind the Proposer protocol.
+
+Context bookkeeping (drafters-spec.md §2.2, §2.4). The drafter's context must hold the fused
+target taps of every committed position before the anchor, and nothing rejected:
+  begin     the prompt rows [N, T] become pending context;
+  observe   the verify's kept rows (anchor + accepted drafts; a plain step's fed token) are
+            appended to the pending context;
+  propose   pending rows are projected into the per-layer context cache as part of the block's
+            backbone pass (or ahead of it, in chunks, when many have piled up), so the cache
+            always ends exactly at the anchor: offset + pending == anchor position, checked
+            every round. Block K/V never enter the cache (crop to the accepted point).
+
+Hybrid lookup drafts: when the context suffix has occurred before (NgramIndex, at least
+LOOKUP_MIN_DEPTH tokens deep), that free continuation is proposed instead of running the
+drafter. The context rows keep accumulating and are fed to the next drafter pass. After
+LOOKUP_PARK_AFTER lookup rounds in a row whose first token was rejected, lookup drafts are
+parked for a while (doubling, up to LOOKUP_PARK_MAX tokens).
+
+Draft-token choice goes through `_choose` only: a lazy argmax at T = 0 without penalties (no
+sync inside the block); otherwise decode/sampled.py's DraftSampler (one per generation, its
+"draft" random stream) draws from the processed distribution (penalties, temperature, top-k,
+top-p, min-p: the verify's own processing) and that distribution is returned as q, so the
+reported q is exactly what the token was drawn from.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..errors import UserError
+from ..models.dspark import confident_prefix
+from .lookup import NgramIndex
+from .proposers import Draft, Proposer
+
+LOOKUP_MIN_DEPTH = 4  # match depth (tokens) that earns a free lookup draft
+LOOKUP_PARK_AFTER = 2
+LOOKUP_PARK_MIN, LOOKUP_PARK_MAX = 16, 512
+INGEST_CHUNK = 1024  # pending context rows projected ahead of the block pass, per chunk
+
+
+def _draft_sampler(sampling, n_prompt: int):
+    try:
+        from .sampled import DraftSampler  # lossless sampling
+    except ImportError:
+        raise UserError("sampled DSpark/DFlash drafts (temperature > 0 or penalties) need lossless sampling "
+                        "(decode/sampled.py), which this build lacks; use --temperature 0") from None
+    return DraftSampler(sampling, n_prompt)
+
+
+def _lazy_argmax(sampling) -> bool:
+    return sampling is None or (sampling.greedy and not sampling.has_penalties)
+
+
+class DrafterProposer(Proposer):
+    def __init__(self, drafter, *, confidence_threshold: float = 0.0, lookup_drafts: bool = True):
+        if confidence_threshold < 0 or confidence_threshold >= 1:
+            raise UserError(f"--confidence-threshold must be in [0, 1), got {confidence_threshold}")
+        if confidence_threshold > 0 and getattr(drafter, "conf_head", None) is None:
+            raise UserError(f"--confidence-threshold needs a drafter with a confidence head; "
+                            f"{drafter.source} ({drafter.packaging}) has none")
+        self.drafter = drafter
+        self.name = drafter.kind
+        self.taps = tuple(drafter.taps)
+        self.block_drafts = drafter.block_drafts
+        self.threshold = float(confidence_threshold)
+        self.lookup_drafts = bool(lookup_drafts)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.state = None
+        self.sampler = None  # DraftSampler: created at the first sampled draft, kept all generation
+        self.n_prompt = 0
+        self.pending: list[mx.array] = []
+        self.n_pending = 0
+        self.index = NgramIndex()
+        self.last_lookup = False
+        self.lookup_misses = 0
+        self.lookup_parked_until = 0
+        self.lookup_park = LOOKUP_PARK_MIN
+        self.counters = {"drafter_rounds": 0, "drafter_proposed": 0, "drafter_accepted": 0,
+                         "lookup_rounds": 0, "lookup_proposed": 0, "lookup_accepted": 0,
+                         "truncated_rounds": 0, "drafter_s": 0.0}
+
+    # ------------------------------------------------------------------ protocol
+    def begin(self, target, prompt_ids: Sequence[int], prompt_hidden: mx.array | None) -> None:
+        self._reset()
+        self.n_prompt = len(prompt_ids)
+        self.state = self.drafter.new_state()
+        if prompt_hidden is None:
+            raise RuntimeError("the drafter needs the prompt's tapped hidden states")
+        self._add_rows(prompt_hidden)
+        if self.lookup_drafts:
+            self.index.extend(prompt_ids)
+
+    def wants_round(self, history: Sequence[int]) -> bool:
+        return True
+
+    def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
+        anchor_pos = len(history) - 1
+        if self.state[0].offset + self.n_pending != anchor_pos:
+            raise RuntimeError(f"drafter context out of step: {self.state[0].offset} cached + {self.n_pending} "
+                               f"pending rows for an anchor at position {anchor_pos}")
+        if max_draft <= 0:
+            return Draft()
+        draft = self._lookup_draft(history, max_draft)
+        if draft is not None:
+            return draft
+        self.last_lookup = False
+        t0 = time.perf_counter()
+        rows = self._take_rows()
+        d = self.drafter
+        hidden = d.block_hidden(history[-1], rows, self.state)
+        k = min(max_draft, hidden.shape[0])
+        lazy = _lazy_argmax(sampling)
+        penalties = sampling is not None and sampling.has_penalties
+        hist = list(history)
+
+        def choose(row, drafted):
+            if not penalties:  # the history only matters to penalties: no sync per slot
+                return self._choose(row, sampling, hist)
+            return self._choose(row, sampling, hist + [int(t.item()) for t in drafted])
+
+        toks, qs, conf = d.sample(hidden[:k], history[-1], choose, self.threshold)
+        outs = [mx.stack(toks)] + ([conf] if conf is not None else [])
+        mx.eval(outs)
+        tokens = outs[0].tolist()
+        if conf is not None:
+            keep = confident_prefix(conf.astype(mx.float32).tolist(), self.threshold)
+            if keep < len(tokens):
+                self.counters["truncated_rounds"] += 1
+            tokens = tokens[:keep]
+        q = None
+        if not lazy and tokens:
+            q = mx.stack(qs[: len(tokens)])
+        self.counters["drafter_rounds"] += 1
+        self.counters["drafter_proposed"] += len(tokens)
+        self.counters["drafter_s"] += time.perf_counter() - t0
+        return Draft(tokens=tokens, q=q)
+
+    def observe(self, n_proposed: int, n_accepted: int, hidden: mx.array | None) -> None:
+        if hidden is None:
+            raise RuntimeError("the drafter needs the tapped hidden states of the kept positions")
+        self._add_rows(hidden)
+        if n_proposed == 0:
+            return
+        if self.last_lookup:
+            self.counters["lookup_accepted"] += n_accepted
+            if n_accepted == 0:
+                self.lookup_misses += 1
+                if self.lookup_misses >= LOOKUP_PARK_AFTER:
+                    self.lookup_parked_until = len(self.index.tokens) + self.lookup_park
+                    self.lookup_park = min(2 * self.lookup_park, LOOKUP_PARK_MAX)
+                    self.lookup_misses = 0
+            else:
+                self.lookup_misses = 0
+                self.lookup_park = max(LOOKUP_PARK_MIN, self.lookup_park // 2)
+        else:
+            self.counters["drafter_accepted"] += n_accepted
+
+    def stats(self) -> dict:
+        c = dict(self.counters)
+        c["drafter_s"] = round(c["drafter_s"], 6)
+        return c
+
+    # ------------------------------------------------------------------ internals
+    def _choose(self, logits_row: mx.array, sampling, history: Sequence[int]):
+        """(token, q_row) for one draft slot after `history` (committed + drafted so far).
+
+        T = 0 without penalties: a lazy argmax, q_row None (one-hot). Otherwise a draw from the
+        processed distribution, which is returned as q_row."""
+        if _lazy_argmax(sampling):
+            return mx.argmax(logits_row, axis=-1).astype(mx.int32), None
+        if self.sampler is None:
+            self.sampler = _draft_sampler(sampling, self.n_prompt)
+        return self.sampler.step(logits_row, history)
+
+    def _add_rows(self, rows: mx.array) -> None:
+        if rows.ndim == 3:
+            rows = rows[0]
+        if rows.shape[0]:
+            self.pending.append(rows)
+            self.n_pending += rows.shape[0]
+        if self.n_pending > INGEST_CHUNK:  # long prompts, or many lookup rounds in a row
+            self._ingest_pending(keep=0)
+
+    def _ingest_pending(self, keep: int) -> None:
+        rows = mx.concatenate(self.pending, axis=0) if len(self.pending) > 1 else self.pending[0]
+        n = rows.shape[0] - keep
+        for i in range(0, n, INGEST_CHUNK):
+            self.drafter.ingest(rows[i : min(i + INGEST_CHUNK, n)], self.state)
+            mx.eval([c.state for c in self.state])
+        self.pending = [rows[n:]] if keep else []
+        self.n_pending = keep
+
+    def _take_rows(self) -> mx.array | None:
+        if not self.pending:
+            return None
+        rows = mx.concatenate(self.pending, axis=0) if len(self.pending) > 1 else self.pending[0]
+        self.pending, self.n_pending = [], 0
+        return rows
+
+    def _lookup_draft(self, history: Sequence[int], max_draft: int) -> Draft | None:
+        if not self.lookup_drafts or len(history) < self.lookup_parked_until:
+            return None
+        self.index.sync(history)
+        start, depth = self.index.match(history)
+        if start < 0 or depth < LOOKUP_MIN_DEPTH:
+            return None
+        seq = self.index.tokens
+        n = len(seq)
+        tokens: list[int] = []
+        for i in range(max_draft):  # an overlapping copy: a periodic suffix continues periodically
+            j = start + i
+            tokens.append(seq[j] if j < n else tokens[j - n])
+        self.last_lookup = True
+        self.counters["lookup_rounds"] += 1
+        self.counters["lookup_proposed"] += len(tokens)
+        return Draft(tokens=list(tokens))

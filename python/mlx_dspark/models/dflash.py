@@ -1,0 +1,141 @@
+"""DFlash drafters, and the block-drafter base that DSpark extends.
+
+A block drafter turns (anchor, new context rows, context cache) into a block of draft
+distributions in one backbone pass:
+
+  ids    = [anchor, mask x (B-1)] at positions start .. start+B-1   (start = anchor position)
+  hidden = backbone(embed(ids), ctx rows of positions cache.offset .. start-1)
+  drafts = logits of slots logits_start .. B-1
+
+Two DFlash packagings (drafters-spec.md §3):
+  DeepSpec  `DSparkDrafter` with both heads off (models/dspark.py): own embed / lm_head copies,
+            every slot is a draft (slot j predicts anchor + j + 1), block 7.
+  z-lab     `ZLabDFlashDrafter` (here): no embed / lm_head in the checkpoint, the target's are
+            bound (its embedding scale included, x input_embedding_scale; the raw output head,
+            x output_multiplier, then the drafter's own softcap if its config has one); slot 0
+            is the anchor only, slots 1..B-1 are the B-1 drafts; block 16 for the -b16 heads.
+
+Without a Markov head the draft slots are independent: slot j's token is chosen from its own
+logits alone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from .checkpoints import DrafterSpec
+from .drafter_backbone import Backbone, ContextKV
+
+# choose(logits_row [V], drafted_so_far) -> (token: mx int32 scalar, q_row [V] or None)
+Chooser = Callable[[mx.array, list], tuple[mx.array, "mx.array | None"]]
+
+
+class BlockDrafter:
+    """What the DSpark / DFlash proposers (decode/drafting.py) drive."""
+
+    kind = "dflash"
+    markov = None
+    conf_head = None
+
+    def __init__(self, model: Backbone, spec: DrafterSpec, *, bits: int = 16):
+        self.model = model
+        self.spec = spec
+        self.bits = bits
+        self.source = spec.source
+        self.packaging = spec.packaging
+        self.taps = tuple(spec.taps)
+        self.block_size = spec.block_size
+        self.block_drafts = spec.block_drafts
+        self.mask_token_id = spec.mask_token_id
+
+    # ------------------------------------------------------------------ protocol
+    def new_state(self) -> list[ContextKV]:
+        return self.model.make_context_cache()
+
+    def ingest(self, rows: mx.array, state: list[ContextKV]) -> None:
+        self.model.ingest(rows, state)
+
+    def embed(self, ids: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Base draft logits U [n, V] of final-normed slot hidden states [n, H]."""
+        raise NotImplementedError
+
+    def block_hidden(self, anchor: int, rows: mx.array | None, state: list[ContextKV]) -> mx.array:
+        """Final-normed hidden states of the draft slots [block_drafts, H] (one backbone pass)."""
+        ids = mx.array([int(anchor)] + [self.mask_token_id] * (self.block_size - 1), dtype=mx.int32)
+        h = self.model.run_block(self.embed(ids)[None], rows, state)[0]
+        return h[self.spec.logits_start:]
+
+    def sample(self, hidden: mx.array, anchor: int, choose: Chooser, threshold: float = 0.0):
+        """Draft tokens from slot states hidden [k, H]: (tokens [k] lazy, q rows or None, confidences or None).
+
+        Without a Markov head the slots are independent."""
+        U = self.logits(hidden)
+        toks, qs = [], []
+        for j in range(U.shape[0]):
+            t, q = choose(U[j], toks)
+            toks.append(t)
+            qs.append(q)
+        return toks, qs, None
+
+    def proposer(self, confidence_threshold: float = 0.0, lookup_drafts: bool = True, **_ignored):
+        from ..decode.drafting import DrafterProposer
+
+        return DrafterProposer(self, confidence_threshold=confidence_threshold, lookup_drafts=lookup_drafts)
+
+    def describe(self) -> dict:
+        b = self.spec.backbone
+        return {"kind": self.kind, "packaging": self.packaging, "style": self.spec.style, "source": self.source,
+                "block_size": self.block_size, "drafts_per_round": self.block_drafts, "taps": list(self.taps),
+                "layers": b.num_layers, "hidden_size": b.hidden_size, "bits": self.bits,
+                "markov_rank": self.spec.markov_rank, "confidence_head": self.spec.confidence}
+
+
+class ZLabDFlashModel(Backbone):
+    """z-lab's DFlashDraftModel tensors: fc, hidden_norm, layers.N.*, norm (Qwen3-style layers)."""
+
+
+def _raw_head(target) -> Callable[[mx.array], mx.array]:
+    """The target's output projection without its softcap (z-lab applies `target.lm_head`)."""
+    m = target.model
+    tied = getattr(getattr(m, "args", None), "tie_word_embeddings", False)
+    if getattr(m, "lm_head", None) is not None and not tied:
+        return m.lm_head
+    lm = getattr(m, "language_model", None)
+    if lm is not None and getattr(lm, "lm_head", None) is not None:
+        return lm.lm_head
+    return target.embed_tokens.as_linear
+
+
+class ZLabDFlashDrafter(BlockDrafter):
+    kind = "dflash"
+
+    def __init__(self, model: ZLabDFlashModel, spec: DrafterSpec, target, *, bits: int = 16):
+        super().__init__(model, spec, bits=bits)
+        self._target_embed = target.embed  # family scaling included (Gemma: x sqrt(H))
+        self._head = _raw_head(target)
+        self._in_scale = float(spec.embed_scale or 1.0)
+        self._out_mult = float(spec.output_multiplier) if spec.output_multiplier else None
+        self._softcap = float(spec.softcap) if spec.softcap else None
+        self._dtype = model.norm.weight.dtype
+
+    def embed(self, ids: mx.array) -> mx.array:
+        e = self._target_embed(ids)
+        if self._in_scale != 1.0:
+            e = e * self._in_scale
+        return e.astype(self._dtype)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        u = self._head(hidden)
+        if self._out_mult is not None:
+            u = u * self._out_mult
+        if self._softcap:
+            u = mx.tanh(u / self._softcap) * self._softcap
+        return u
+
+
+__all__ = ["BlockDrafter", "ZLabDFlashDrafter", "ZLabDFlashModel", "Chooser"]

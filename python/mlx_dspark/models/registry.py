@@ -1,0 +1,129 @@
+"""Target -> drafter pairs that `--mode auto` resolves without a `--drafter`.
+
+Matching is quantization-agnostic: a target is known by its base model name, so
+`Qwen/Qwen3-4B`, `mlx-community/Qwen3-4B-4bit`, `.../Qwen3-4B-8bit`, `.../Qwen3-4B-bf16` and
+`Qwen/Qwen3-4B-MLX-4bit` all resolve the same drafters. A name match is confirmed against
+the target's shape (family, hidden size, depth, vocabulary), so a renamed folder of another
+model never picks up a drafter meant for something else.
+
+The seed rows are the pairs DeepSeek (DeepSpec, drafters-spec.md §0) and z-lab (the dflash
+README) published. None is measured by mlx-dspark yet (`measured` is None): their figures will
+come from users who can reach the hub (`mlx-dspark benchmark --json`). `--drafter` overrides
+the registry; any compatible checkpoint runs through it without an entry here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Shape:
+    families: tuple[str, ...]  # model_type values the target may report
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Pair:
+    target: str  # canonical base-model name (see canonical_name)
+    kind: str  # dspark | dflash
+    drafter: str  # HF repo id
+    publisher: str
+    packaging: str  # deepspec-dspark | deepspec-dflash | zlab-dflash
+    block: int | None  # draft tokens per round at the full block (None: read from its config)
+    shape: Shape
+    measured: str | None = None  # our measurement (device, tok/s, accept length); None = not yet
+    note: str = ""
+
+
+_QWEN3 = ("qwen3",)
+_GEMMA4 = ("gemma4", "gemma4_text")
+QWEN3_4B = Shape(_QWEN3, 2560, 36, 151936)
+QWEN3_8B = Shape(_QWEN3, 4096, 36, 151936)
+QWEN3_14B = Shape(_QWEN3, 5120, 40, 151936)
+GEMMA4_12B = Shape(_GEMMA4, 3840, 48, 262144)
+LLAMA31_8B = Shape(("llama",), 4096, 32, 128256)
+
+_DEEPSEEK = "DeepSeek (DeepSpec)"
+_ZLAB = "z-lab"
+UNMEASURED = "published pair; not yet measured by mlx-dspark"
+
+PAIRS: tuple[Pair, ...] = (
+    Pair("qwen3-4b", "dspark", "deepseek-ai/dspark_qwen3_4b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_4B),
+    Pair("qwen3-8b", "dspark", "deepseek-ai/dspark_qwen3_8b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_8B),
+    Pair("qwen3-14b", "dspark", "deepseek-ai/dspark_qwen3_14b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_14B),
+    Pair("gemma-4-12b-it", "dspark", "deepseek-ai/dspark_gemma4_12b_block7", _DEEPSEEK, "deepspec-dspark", 7,
+         GEMMA4_12B),
+    Pair("qwen3-4b", "dflash", "deepseek-ai/dflash_qwen3_4b_block7", _DEEPSEEK, "deepspec-dflash", 7, QWEN3_4B),
+    Pair("qwen3-8b", "dflash", "deepseek-ai/dflash_qwen3_8b_block7", _DEEPSEEK, "deepspec-dflash", 7, QWEN3_8B),
+    Pair("qwen3-14b", "dflash", "deepseek-ai/dflash_qwen3_14b_block7", _DEEPSEEK, "deepspec-dflash", 7, QWEN3_14B),
+    Pair("gemma-4-12b-it", "dflash", "deepseek-ai/dflash_gemma4_12b_block7", _DEEPSEEK, "deepspec-dflash", 7,
+         GEMMA4_12B),
+    Pair("qwen3-4b", "dflash", "z-lab/Qwen3-4B-DFlash-b16", _ZLAB, "zlab-dflash", 15, QWEN3_4B,
+         note="trained on non-thinking answers"),
+    Pair("qwen3-8b", "dflash", "z-lab/Qwen3-8B-DFlash-b16", _ZLAB, "zlab-dflash", 15, QWEN3_8B,
+         note="trained on non-thinking answers"),
+    Pair("llama-3.1-8b-instruct", "dflash", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", _ZLAB, "zlab-dflash", None,
+         LLAMA31_8B, note="block size read from its config at load"),
+)
+
+# Trailing name parts that only say how a checkpoint is stored, never which model it is.
+_STORAGE_SUFFIX = re.compile(
+    r"[-_.](mlx|\d+bit|\d+-bit|bf16|fp16|f16|fp32|f32|float16|bfloat16|float32|qat|dwq|awq|gptq|mxfp4|nvfp4|"
+    r"q\d(_[a-z0-9]+)*|int\d|w\d+a\d+)$", re.IGNORECASE)
+
+
+def canonical_name(name: str) -> str:
+    """Base-model name of a repo id, folder or HF cache path, lowercased, storage suffixes off.
+
+    'mlx-community/Qwen3-4B-4bit' -> 'qwen3-4b'; '.../models--Qwen--Qwen3-8B/snapshots/<sha>' -> 'qwen3-8b'."""
+    s = str(name).strip().rstrip("/")
+    m = re.search(r"models--[^/]+?--([^/]+)", s)
+    if m:
+        s = m.group(1)
+    else:
+        s = Path(s).name if "/" in s or "\\" in s else s
+    s = s.lower()
+    while True:
+        t = _STORAGE_SUFFIX.sub("", s)
+        if t == s:
+            return s
+        s = t
+
+
+def target_names(target) -> list[str]:
+    """The names a loaded Target is known by (source, folder, config name)."""
+    names = []
+    for n in (getattr(target, "source", ""), getattr(target, "name", ""),
+              (getattr(target, "config", None) or {}).get("_name_or_path", "")):
+        if n:
+            c = canonical_name(n)
+            if c and c not in names:
+                names.append(c)
+    return names
+
+
+def shape_matches(shape: Shape, target) -> bool:
+    return (getattr(target, "model_type", "") in shape.families and target.hidden_size == shape.hidden_size
+            and target.num_layers == shape.num_layers and target.vocab_size == shape.vocab_size)
+
+
+def pairs_for(target, kind: str | None = None) -> list[Pair]:
+    """Registered pairs for a loaded target (name and shape must both match), in registry order."""
+    names = target_names(target)
+    return [p for p in PAIRS if p.target in names and (kind is None or p.kind == kind) and shape_matches(p.shape, target)]
+
+
+def pairs_for_name(name: str, kind: str | None = None) -> list[Pair]:
+    c = canonical_name(name)
+    return [p for p in PAIRS if p.target == c and (kind is None or p.kind == kind)]
+
+
+def table() -> list[dict]:
+    return [{"target": p.target, "mode": p.kind, "drafter": p.drafter, "publisher": p.publisher,
+             "packaging": p.packaging, "drafts_per_round": p.block,
+             "measured": p.measured, "status": p.measured or UNMEASURED, "note": p.note} for p in PAIRS]
