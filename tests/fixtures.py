@@ -113,8 +113,11 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
 
 def write_model(path: Path, family: str = "qwen3", *, layers: int = 4, hidden: int = 64, heads: int = 4,
                 kv_heads: int = 2, intermediate: int = 128, tie: bool = True, seed: int = 0,
-                vocab_size: int = 384, scale: float = 1.0) -> Path:
-    """A random model of `family` (qwen3 | llama) in the HF layout, tokenizer included."""
+                vocab_size: int = 384, scale: float = 1.0, model_vocab: int = 0) -> Path:
+    """A random model of `family` (qwen3 | llama) in the HF layout, tokenizer included.
+
+    `model_vocab` pads the embedding/head past the tokenizer's vocabulary (to mimic a real
+    model's 49152 or 151936 rows in benchmarks)."""
     from safetensors.numpy import save_file
 
     if family not in ("qwen3", "llama"):
@@ -122,7 +125,7 @@ def write_model(path: Path, family: str = "qwen3", *, layers: int = 4, hidden: i
     path = Path(path)
     if path.exists():
         shutil.rmtree(path)
-    vocab = write_tokenizer(path, vocab_size)
+    vocab = max(write_tokenizer(path, vocab_size), model_vocab)
     eos = json.loads(_trained_tokenizer_json(vocab_size))["model"]["vocab"]["<|im_end|>"]
     cfg = _config(family, vocab, layers, hidden, heads, kv_heads, intermediate, tie, eos)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))

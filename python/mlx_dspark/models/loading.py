@@ -50,9 +50,13 @@ def default_dtype() -> str:
     return "float32" if mx.default_device() == mx.cpu else "bfloat16"
 
 
-def load_target(model: str, *, dtype: str | None = None, quantize: int | None = None,
+def load_target(model: str | None = None, *, dtype: str | None = None, quantize: int | None = None,
                 kv_bits: int | None = None, probe: bool = True, taps=()) -> tuple[Target, object]:
-    """Load a target and its tokenizer. Returns (target, tokenizer)."""
+    """Load a target and its tokenizer. Returns (target, tokenizer). `model=None`: the demo model."""
+    if model is None:
+        from .demo import demo_model_path
+
+        model = str(demo_model_path())
     if kv_bits not in (None, 0, 2, 3, 4, 6, 8):
         raise UserError(f"--kv-bits must be one of 2, 3, 4, 6, 8, got {kv_bits}")
     if dtype is not None and dtype not in DTYPES:
