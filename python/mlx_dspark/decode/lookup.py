@@ -8,10 +8,15 @@ followed the match are proposed and verified like any draft.
   * Match depth: how far back the match keeps agreeing with the suffix. A match at least
     LONG_DEPTH deep earns a draft of up to ~2x its depth (capped by `long_draft`): verbatim
     copies commit tens of tokens per forward.
-  * Acceptance gate: a draft whose first token is rejected costs a wide verify for nothing.
-    After `PARK_AFTER` fruitless rounds in a row the proposer parks for a while (doubling up to
-    `PARK_MAX` tokens), so the loop takes pipelined plain steps; long drafts that keep failing
-    are cut back to the short length until a long one succeeds again.
+  * Acceptance gate: a draft whose first token is rejected costs a synced, wider forward for
+    nothing (on a GPU a synced round also loses the pipelining of plain steps). So
+      - short matches (depth < LONG_DEPTH: common phrases in prose) are tried only while they
+        pay: a running rate of short rounds that commit at least one draft; below
+        SHORT_MIN_RATE they are skipped, with one probe every SHORT_PROBE_EVERY tokens so the
+        rate can recover;
+      - after `PARK_AFTER` fruitless rounds in a row the proposer parks for a while (doubling up
+        to `PARK_MAX` tokens), so the loop takes pipelined plain steps;
+      - long drafts that keep failing are cut back to the short length until one succeeds again.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ SHORT_DRAFT = 8
 LONG_DEPTH = 8
 PARK_AFTER = 3
 PARK_MIN, PARK_MAX = 8, 256
+SHORT_MIN_RATE = 0.5
+SHORT_PROBE_EVERY = 32
 
 
 class NgramIndex:
@@ -77,6 +84,9 @@ class LookupProposer(Proposer):
         self.misses = 0
         self.long_ok = True
         self._last_long = False
+        self._last_short = False
+        self.short_rate = 1.0
+        self.next_short_probe = 0
         self.hits = self.proposed = self.accepted = 0
 
     def begin(self, target, prompt_ids, prompt_hidden) -> None:
@@ -85,22 +95,31 @@ class LookupProposer(Proposer):
         self.parked_until = 0
         self.park_len = PARK_MIN
         self.misses = 0
+        self.short_rate = 1.0
+        self.next_short_probe = 0
+
+    def _worth_trying(self, depth: int, n_hist: int) -> bool:
+        if depth >= LONG_DEPTH or self.short_rate >= SHORT_MIN_RATE:
+            return True
+        return n_hist >= self.next_short_probe
 
     def wants_round(self, history: Sequence[int]) -> bool:
         if len(history) < self.parked_until:
             return False
         self.index.sync(history)
-        return self.index.match(history)[0] >= 0
+        start, depth = self.index.match(history)
+        return start >= 0 and self._worth_trying(depth, len(history))
 
     def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
         if len(history) < self.parked_until:
             return Draft()
         self.index.sync(history)
         start, depth = self.index.match(history)
-        if start < 0:
+        if start < 0 or not self._worth_trying(depth, len(history)):
             return Draft()
         k = self.short_draft
         self._last_long = False
+        self._last_short = depth < LONG_DEPTH
         if depth >= LONG_DEPTH and self.long_ok:
             k = max(k, min(self.long_draft, 2 * depth))
             self._last_long = True
@@ -121,6 +140,10 @@ class LookupProposer(Proposer):
             return
         self.proposed += n_proposed
         self.accepted += n_accepted
+        if self._last_short:
+            self.short_rate = 0.75 * self.short_rate + 0.25 * (1.0 if n_accepted else 0.0)
+            if not n_accepted and self.short_rate < SHORT_MIN_RATE:
+                self.next_short_probe = len(self.index.tokens) + SHORT_PROBE_EVERY
         if n_accepted == 0:
             self.misses += 1
             if self.misses >= PARK_AFTER:

@@ -50,26 +50,29 @@ TokenCallback = Callable[[list[int]], "str | None"]
 
 def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[int],
              should_cancel: Callable[[], bool] | None = None):
-    """Feed the whole prompt; return the last row of logits and the tapped rows of every position,
-    or (None, None) when `should_cancel` said so between chunks."""
+    """Feed the prompt; return the last row of logits and the tapped rows of every position,
+    or (None, None) when `should_cancel` said so between chunks.
+
+    As mlx-lm's generate_step does, all but the last token go through in chunks and the last
+    token goes through alone, so the first generated token comes from the same arithmetic as
+    in plain mlx-lm decoding (in bf16 on a GPU, a different split can flip a near-tie)."""
     ids = mx.array(list(prompt), dtype=mx.int32)
     hidden_parts = []
     n = len(prompt)
-    for start in range(0, n, PREFILL_CHUNK):
-        chunk = ids[start : start + PREFILL_CHUNK][None]
-        last = start + PREFILL_CHUNK >= n
+    for start in range(0, n - 1, PREFILL_CHUNK):
+        chunk = ids[start : min(start + PREFILL_CHUNK, n - 1)][None]
         with kernels.prefill_context(target, chunk.shape[1]):
             out = target.forward(chunk, cache, taps=taps, last_only=True)
         if out.hidden is not None:
             hidden_parts.append(out.hidden[0])
-        if last:
-            logits = out.logits[0, -1]
-        else:
-            mx.eval([c.state for c in cache] + ([out.hidden] if out.hidden is not None else []))
-            if should_cancel is not None and should_cancel():
-                return None, None
+        mx.eval([c.state for c in cache] + ([out.hidden] if out.hidden is not None else []))
+        if should_cancel is not None and should_cancel():
+            return None, None
+    out = target.forward(ids[n - 1 :][None], cache, taps=taps)
+    if out.hidden is not None:
+        hidden_parts.append(out.hidden[0])
     hidden = mx.concatenate(hidden_parts, axis=0) if hidden_parts else None
-    return logits, hidden
+    return out.logits[0, -1], hidden
 
 
 def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None, *,
@@ -81,6 +84,8 @@ def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None,
     proposer = proposer or Proposer()
     sampling = sampling or SamplingParams()
     acceptor = make_acceptor(sampling)
+    if hasattr(acceptor, "begin"):
+        acceptor.begin(prompt)  # penalties count generated tokens only
     stops = set(int(t) for t in stop_token_ids)
     res = LoopResult(prompt_tokens=len(prompt))
     if sampling.logprobs:
