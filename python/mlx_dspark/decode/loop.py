@@ -68,7 +68,7 @@ def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[
         mx.eval([c.state for c in cache] + ([out.hidden] if out.hidden is not None else []))
         if should_cancel is not None and should_cancel():
             return None, None
-    out = target.forward(ids[n - 1 :][None], cache, taps=taps)
+    out = target.forward(ids[n - 1 :][None], cache, taps=taps, last_only=True)
     if out.hidden is not None:
         hidden_parts.append(out.hidden[0])
     hidden = mx.concatenate(hidden_parts, axis=0) if hidden_parts else None

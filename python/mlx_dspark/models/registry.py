@@ -47,12 +47,18 @@ QWEN3_8B = Shape(_QWEN3, 4096, 36, 151936)
 QWEN3_14B = Shape(_QWEN3, 5120, 40, 151936)
 GEMMA4_12B = Shape(_GEMMA4, 3840, 48, 262144)
 LLAMA31_8B = Shape(("llama",), 4096, 32, 128256)
+SMOLLM2_135M = Shape(("llama",), 576, 30, 49152)
+# Our own reference drafter, distilled with `mlx-dspark distill` (issue 5), shipped in the package.
+SMOLLM2_DSPARK = str(Path(__file__).resolve().parents[1] / "assets" / "dspark-smollm2-135m-instruct")
 
 _DEEPSEEK = "DeepSeek (DeepSpec)"
 _ZLAB = "z-lab"
 UNMEASURED = "published pair; not yet measured by mlx-dspark"
 
 PAIRS: tuple[Pair, ...] = (
+    Pair("smollm2-135m-instruct", "dspark", SMOLLM2_DSPARK, "mlx-dspark (distill)", "deepspec-dspark", 7,
+         SMOLLM2_135M, measured=None, note="the demo target's drafter; 3 layers, Markov rank 48, "
+         "embed/lm_head bound to the target's (bench/results/dspark-*.md)"),
     Pair("qwen3-4b", "dspark", "deepseek-ai/dspark_qwen3_4b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_4B),
     Pair("qwen3-8b", "dspark", "deepseek-ai/dspark_qwen3_8b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_8B),
     Pair("qwen3-14b", "dspark", "deepseek-ai/dspark_qwen3_14b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_14B),
@@ -73,7 +79,7 @@ PAIRS: tuple[Pair, ...] = (
 
 # Trailing name parts that only say how a checkpoint is stored, never which model it is.
 _STORAGE_SUFFIX = re.compile(
-    r"[-_.](mlx|\d+bit|\d+-bit|bf16|fp16|f16|fp32|f32|float16|bfloat16|float32|qat|dwq|awq|gptq|mxfp4|nvfp4|"
+    r"[-_.](gguf|mlx|\d+bit|\d+-bit|bf16|fp16|f16|fp32|f32|float16|bfloat16|float32|qat|dwq|awq|gptq|mxfp4|nvfp4|"
     r"q\d(_[a-z0-9]+)*|int\d|w\d+a\d+)$", re.IGNORECASE)
 
 

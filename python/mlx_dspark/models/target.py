@@ -141,7 +141,7 @@ class Target:
         rec.active = set(taps)
         rec.outputs = {}
         try:
-            if last_only and self._fast_head:
+            if last_only and self._fast_head and tokens.shape[1] > 1:
                 h = self._inner(tokens, cache=cache)
                 logits = self.head(h[:, -1:, :])
             else:

@@ -1,0 +1,362 @@
+"""`distill`: train a DSpark (or DeepSpec-DFlash) drafter for a target, in MLX, on any backend.
+
+One step (drafters-spec.md §5.5, "online target"):
+  1. a batch of S samples (prompt + the target's own answer), right-padded;
+  2. the target runs them once, teacher-forced: its tapped layer outputs and its logits (no
+     cache of hidden states: they are recomputed every step);
+  3. up to A anchors per sample are drawn uniformly among answer positions p whose successor is
+     also an answer token; block = [x_p, MASK x (B-1)] at positions p..p+B-1;
+  4. the drafter runs all S*A blocks at once with the block attention mask (train/forward.py);
+  5. CE + L1(TV) + BCE(confidence) with position decay exp(-j/gamma) (train/losses.py);
+  6. AdamW (weight decay 0 by default), linear warmup then cosine decay to 0, grad-norm clip.
+
+Embed / lm_head are frozen copies of the target's; everything else trains from a random init
+(DeepSpec does the same). Checkpoints (DeepSpec layout) and the resumable state are written
+every `save_every` steps and at the end; `--resume` continues an interrupted run exactly where
+its last state left off (same data order, same anchors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+from ..errors import UserError
+from ..models.dspark import DSparkModel
+from . import checkpoint as ck
+from . import data as D
+from .forward import block_hidden
+from .losses import LossWeights, anchor_targets, block_loss
+
+
+@dataclass
+class DistillConfig:
+    kind: str = "dspark"  # dspark | dflash
+    layers: int = 2
+    block_size: int = 7
+    taps: list[int] | None = None  # None: default_taps(target layers, n_taps)
+    n_taps: int = 5
+    markov_rank: int | None = None  # None: 256 (DeepSpec) for targets of hidden >= 2048, else 64
+    intermediate_size: int | None = None  # None: the target's
+    mask_token_id: int | None = None  # None: pick_mask_token
+    steps: int = 2000
+    train_seconds: float | None = None  # cap the steps to what fits in this many seconds
+    batch_size: int = 8  # samples per step
+    anchors: int = 64  # blocks per sample (DeepSpec: 512)
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float = 4.0
+    save_every: int = 500
+    seed: int = 0
+    log_every: int = 10
+    gen: D.GenConfig = field(default_factory=D.GenConfig)
+
+    def arch(self) -> dict:
+        """What must match for --resume."""
+        return {k: getattr(self, k) for k in ("kind", "layers", "block_size", "taps", "markov_rank",
+                                              "intermediate_size", "mask_token_id", "batch_size", "anchors",
+                                              "lr", "seed")}
+
+
+# --------------------------------------------------------------------------------- progress
+class Progress:
+    """One status line: step, loss, tok/s (supervised draft tokens), lr, ETA. Redrawn in place on
+    a terminal; a plain line every `every` seconds otherwise (logs)."""
+
+    def __init__(self, total: int, stream=None, every: float = 10.0):
+        self.total = total
+        self.stream = stream or sys.stderr
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = 0.25 if self.tty else every
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+
+    def update(self, step: int, metrics: dict, tokens: int, start_step: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        el = now - self.t0
+        done = max(step - start_step, 1)
+        rate = tokens / max(el, 1e-9)
+        eta = el / done * (self.total - step)
+        width = 24
+        fill = int(width * step / max(self.total, 1))
+        bar = "#" * fill + "." * (width - fill)
+        parts = [f"[{bar}] {step}/{self.total}", f"loss {metrics.get('loss', float('nan')):.3f}"]
+        for k in ("ce", "tv", "conf"):
+            if k in metrics:
+                parts.append(f"{k} {metrics[k]:.3f}")
+        if "tau" in metrics:
+            parts.append(f"tau~{metrics['tau']:.2f}")
+        parts += [f"{rate:,.0f} tok/s", f"lr {metrics.get('lr', 0):.1e}", f"ETA {_fmt(eta)}"]
+        line = " | ".join(parts)
+        if self.tty:
+            self.stream.write("\r" + line[:200].ljust(120))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _fmt(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
+    """Linear warmup over warmup_ratio * total steps, then cosine decay to 0 (DeepSpec's
+    CosineAnnealingWarmupLR). `step` is 0-based: the lr used by the (step+1)-th update."""
+    warm = max(1, int(round(warmup_ratio * total)))
+    if step < warm:
+        return peak * (step + 1) / warm
+    t = (step - warm) / max(total - warm, 1)
+    return 0.5 * peak * (1.0 + math.cos(math.pi * min(t, 1.0)))
+
+
+# ---------------------------------------------------------------------------------- batching
+class Batches:
+    """Deterministic epochs: each epoch a seeded permutation, cut into length-sorted chunks of
+    `batch * 16` samples, each chunk split into batches (less padding), batches shuffled."""
+
+    def __init__(self, samples: list[D.Sample], batch: int, seed: int):
+        self.samples = samples
+        self.batch = max(1, min(batch, len(samples)))
+        self.seed = seed
+        self.epoch = 0
+        self.cursor = 0
+        self._order = self._make(0)
+
+    def _make(self, epoch: int) -> list[list[int]]:
+        rng = np.random.default_rng(self.seed * 1000003 + epoch)
+        perm = rng.permutation(len(self.samples))
+        chunk = self.batch * 16
+        out = []
+        for i in range(0, len(perm), chunk):
+            part = sorted(perm[i : i + chunk].tolist(), key=lambda k: len(self.samples[k].ids))
+            out += [part[j : j + self.batch] for j in range(0, len(part), self.batch)]
+        rng.shuffle(out)
+        return out
+
+    def next(self) -> list[int]:
+        if self.cursor >= len(self._order):
+            self.epoch += 1
+            self.cursor = 0
+            self._order = self._make(self.epoch)
+        b = self._order[self.cursor]
+        self.cursor += 1
+        return b
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def restore(self, st: dict) -> None:
+        self.epoch, self.cursor = int(st["epoch"]), int(st["cursor"])
+        self._order = self._make(self.epoch)
+
+
+def make_batch(samples: list[D.Sample], idx: list[int], A: int, B: int, rng: np.random.Generator):
+    """Padded tokens [S, T] and per-anchor targets; anchors are drawn without replacement among
+    p in [n_prompt, len-2] (the anchor and its successor are answer tokens), then sorted."""
+    seqs = [samples[i] for i in idx]
+    T = max(len(s.ids) for s in seqs)
+    T = ((T + 15) // 16) * 16
+    S = len(seqs)
+    tokens = np.zeros((S, T), np.int32)
+    anchors = np.zeros((S, A), np.int32)
+    labels = np.zeros((S, A, B), np.int32)
+    prev = np.zeros((S, A, B), np.int32)
+    mask = np.zeros((S, A, B), np.float32)
+    for r, s in enumerate(seqs):
+        n = len(s.ids)
+        tokens[r, :n] = s.ids
+        cand = np.arange(s.n_prompt, n - 1)
+        k = min(A, len(cand))
+        if k == 0:
+            continue
+        pick = np.sort(rng.choice(cand, size=k, replace=False))
+        anchors[r, :k] = pick
+        lab, prv, m = anchor_targets(s.ids, s.n_prompt, n, pick, B)
+        labels[r, :k], prev[r, :k], mask[r, :k] = lab, prv, m
+    return tokens, anchors, labels, prev, mask
+
+
+# ------------------------------------------------------------------------------------- model
+def build_model(target, tokenizer, cfg: DistillConfig, out: Path) -> tuple[DSparkModel, dict, object]:
+    taps = ck.check_taps(cfg.taps, target.num_layers) if cfg.taps else ck.default_taps(target.num_layers, cfg.n_taps)
+    cfg.taps = taps
+    if cfg.block_size < 2:
+        raise UserError(f"--block-size must be at least 2, got {cfg.block_size}")
+    if cfg.layers < 1:
+        raise UserError(f"--layers must be at least 1, got {cfg.layers}")
+    if cfg.mask_token_id is None:
+        cfg.mask_token_id = ck.pick_mask_token(tokenizer, target.vocab_size)
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise UserError(f"--mask-token-id {cfg.mask_token_id} is outside the vocabulary (0..{target.vocab_size - 1})")
+    if cfg.markov_rank is None:
+        cfg.markov_rank = 256 if target.hidden_size >= 2048 else 64
+    hcfg = ck.drafter_config(target, kind=cfg.kind, layers=cfg.layers, block_size=cfg.block_size, taps=taps,
+                             mask_token_id=cfg.mask_token_id, markov_rank=cfg.markov_rank,
+                             intermediate_size=cfg.intermediate_size, num_anchors=cfg.anchors)
+    spec = ck.spec_from_config(hcfg, out)
+    model = DSparkModel(spec)
+    ck.init_weights(model, cfg.seed)
+    from ..models.drafters import target_dtype
+
+    # Frozen copies in the target's compute dtype (bf16 on a GPU); trained weights in float32.
+    emb, head = ck.target_matrices(target, target_dtype(target))
+    model.embed_tokens.weight = emb
+    model.lm_head.weight = head
+    model.embed_tokens.freeze()
+    model.lm_head.freeze()
+    mx.eval(model.parameters())
+    return model, hcfg, spec
+
+
+# ------------------------------------------------------------------------------------ train
+def target_inputs(target, tok: mx.array, lens: list[int], anc: np.ndarray, msk: np.ndarray, B: int, taps):
+    """One teacher-forced target forward: its tapped rows [S, T, C] and its logits at the block
+    slots' predecessor positions anchor + j [S, A*B, V] (drafters-spec.md §5.2).
+
+    Padding rows and unsupervised slots are never attended to or counted, but their values
+    still meet the masks as 0 * x; they are zeroed, so that a non-finite value there cannot turn
+    the loss or its gradient into NaN."""
+    S, A = anc.shape
+    T = tok.shape[1]
+    fwd = target.forward(tok, None, taps=taps)
+    real = mx.array(np.arange(T)[None, :] < np.asarray(lens)[:, None])
+    hid = mx.where(real[..., None], fwd.hidden, mx.zeros((), fwd.hidden.dtype))
+    pos = np.minimum(anc[:, :, None] + np.arange(B)[None, None, :], T - 1).reshape(S, A * B)
+    tlog = mx.take_along_axis(fwd.logits, mx.array(pos)[..., None], axis=1)
+    tlog = mx.where(mx.array(msk.reshape(S, A * B) > 0)[..., None], tlog, mx.zeros((), tlog.dtype))
+    return hid, tlog
+
+
+def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: Path, *, resume: bool = False,
+          meta: dict | None = None, on_step: Callable[[int], None] | None = None,
+          log: Callable[[str], None] | None = None) -> dict:
+    """Train and write the drafter into `out`. Returns a summary (steps, final metrics, timings)."""
+    say = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    out = Path(out)
+    if not samples:
+        raise UserError("no training samples (every answer was empty)")
+    model, hcfg, spec = build_model(target, tokenizer, cfg, out)
+    B = cfg.block_size
+    weights = LossWeights.for_kind(cfg.kind, cfg.gamma)
+    softcap = spec.softcap
+    opt = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=cfg.weight_decay)
+    batches = Batches(samples, cfg.batch_size, cfg.seed)
+    rng = np.random.default_rng(cfg.seed + 17)
+    step, total, elapsed_before = 0, cfg.steps, 0.0
+    history: list[dict] = []
+    if resume:
+        st = ck.load_state(model, opt, out)
+        if st.get("arch") != json.loads(json.dumps(cfg.arch())):
+            raise UserError(f"--resume: {out} was trained with other settings ({st.get('arch')}); "
+                            "use the same flags, or another --out")
+        step, total = int(st["step"]), int(st["total"])
+        batches.restore(st["batches"])
+        rng.bit_generator.state = st["rng"]
+        elapsed_before = float(st.get("elapsed", 0.0))
+        history = st.get("history", [])
+        say(f"distill: resuming at step {step}/{total}")
+    taps = tuple(spec.taps)
+
+    def loss_fn(m, taps_a, tok, anc, lab, prv, msk, tlog):
+        S, A = anc.shape
+        h = block_hidden(m, taps_a, tok, anc, B, spec.mask_token_id)
+        return block_loss(m, h.reshape(S * A, B, -1), prv.reshape(S * A, B), lab.reshape(S * A, B),
+                          msk.reshape(S * A, B), tlog.reshape(S * A, B, -1), weights, softcap)
+
+    value_grad = nn.value_and_grad(model, loss_fn)
+
+    def state_dict() -> dict:
+        return {"step": step, "total": total, "arch": cfg.arch(), "batches": batches.state(),
+                "rng": rng.bit_generator.state, "elapsed": elapsed_before + (time.perf_counter() - t_start),
+                "history": history}
+
+    def checkpoint() -> None:
+        mx.eval(model.parameters(), opt.state)
+        ck.save_state(model, opt, out, state_dict())
+        ck.save_drafter(model, hcfg, out, meta=dict(meta or {}, steps=step, total_steps=total))
+
+    t_start = time.perf_counter()
+    prog = Progress(total)
+    tokens_seen, start_step, calib_t, skipped = 0, step, None, 0
+    metrics: dict = {}
+    while step < total:
+        idx = batches.next()
+        tok, anc, lab, prv, msk = make_batch(samples, idx, cfg.anchors, B, rng)
+        tok_a = mx.array(tok)
+        hid, tlog = target_inputs(target, tok_a, [len(samples[i].ids) for i in idx], anc, msk, B, taps)
+        lr = lr_at(step, total, cfg.lr, cfg.warmup_ratio)
+        opt.learning_rate = lr
+        (loss, mets), grads = value_grad(model, hid, tok_a, mx.array(anc), mx.array(lab), mx.array(prv),
+                                         mx.array(msk), tlog)
+        if cfg.grad_clip and cfg.grad_clip > 0:
+            grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
+        else:
+            gnorm = mx.array(0.0)
+        mx.eval(loss, gnorm)
+        if not (math.isfinite(float(loss)) and math.isfinite(float(gnorm))):
+            skipped += 1  # a non-finite batch: no update (the step still counts), logged for diagnosis
+            if skipped <= 20:
+                history.append({"step": step + 1, "nonfinite_batch": [int(i) for i in idx]})
+        else:
+            opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, mets)
+        step += 1
+        tokens_seen += int(msk.sum())
+        if on_step is not None:
+            on_step(step)
+        if step % cfg.log_every == 0 or step == total or step == start_step + 1:
+            metrics = {"loss": float(loss), "lr": lr, "gnorm": float(gnorm), "skipped": skipped,
+                       **{k: (v.tolist() if v.ndim else float(v)) for k, v in mets.items()}}
+            history.append({"step": step, **{k: (round(v, 5) if isinstance(v, float) else
+                                                 [round(x, 4) for x in v] if isinstance(v, list) else v)
+                                             for k, v in metrics.items()}})
+        prog.update(step, metrics, tokens_seen, start_step, force=step == total)
+        # Fit the step count to a time budget once the speed is known (kernels are warm by then).
+        if cfg.train_seconds and step == start_step + 5:
+            calib_t = time.perf_counter()
+        if cfg.train_seconds and calib_t and step == start_step + 25 and not resume:
+            dt = (time.perf_counter() - calib_t) / 20
+            left = cfg.train_seconds - (time.perf_counter() - t_start)
+            new_total = min(total, step + max(int(left / dt), 0))
+            if new_total != total:
+                say(f"\ndistill: {dt * 1000:.0f} ms/step: {new_total} steps fit in --train-seconds "
+                    f"{cfg.train_seconds:.0f}")
+                total = new_total
+                prog.total = total
+        if cfg.save_every and step % cfg.save_every == 0 and step < total:
+            checkpoint()
+    prog.close()
+    checkpoint()
+    wall = time.perf_counter() - t_start
+    summary = {"steps": step, "train_s": round(wall + elapsed_before, 1), "tokens": tokens_seen,
+               "final": metrics, "history_tail": history[-5:]}
+    with open(out / "train_log.jsonl", "w") as f:
+        for h in history:
+            f.write(json.dumps(h) + "\n")
+    return summary
+
+
+__all__ = ["DistillConfig", "train", "build_model", "lr_at", "Progress", "make_batch", "Batches"]

@@ -1,0 +1,206 @@
+"""`mlx-dspark distill` on a tiny target: it learns (acceptance rises well above a random
+drafter's, measured through the real verify loop), it resumes exactly, it refuses bad input,
+and its training forward is the inference forward."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from fixtures import write_model
+
+TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, tie=False, scale=1.0)
+# Small, fast settings shared by the runs below (greedy answers: deterministic data).
+FAST = ["--answer-tokens", "64", "--batch-size", "4", "--anchors", "16", "--layers", "1", "--markov-rank", "32",
+        "--temperature", "0", "--lr", "2e-3", "--eval-samples", "4", "--eval-max-tokens", "48", "--save-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_model(tmp_path_factory.mktemp("distill") / "target", "qwen3", **TINY)
+
+
+def _cli(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "mlx_dspark", "distill", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def _accept(out: Path) -> dict:
+    res = json.loads((out / "eval.json").read_text())["result"]
+    return {d: r["mean_accept"] for d, r in res.items()}
+
+
+@pytest.mark.slow
+def test_distill_raises_acceptance_above_a_random_drafter(tiny, tmp_path):
+    trained, random_ = tmp_path / "trained", tmp_path / "random"
+    p = _cli(["--model", str(tiny), "--out", str(trained), "--steps", "250", "--export", str(tmp_path / "small"),
+              *FAST])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "tok/s" in p.stderr and "ETA" in p.stderr  # the progress line
+    # The same data, no training: the random-init drafter, through the same evaluation.
+    random_.mkdir()
+    shutil.copy(trained / "samples.jsonl", random_ / "samples.jsonl")
+    p0 = _cli(["--model", str(tiny), "--out", str(random_), "--steps", "0", *FAST])
+    assert p0.returncode == 0, p0.stderr[-3000:]
+    a1, a0 = _accept(trained), _accept(random_)
+    assert set(a1) == {"chat", "code", "math", "_all"}  # per domain (held-out built-in prompts)
+    assert a1["_all"] >= a0["_all"] + 0.6 and a1["_all"] >= 1.4 * a0["_all"], (a0, a1)
+
+    # DeepSpec layout, loaded by our loader (the evaluation above went through it too).
+    cfg = json.loads((trained / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == 32
+    assert cfg["enable_confidence_head"] and cfg["target_layer_ids"] == [0]
+    names = set(mx.load(str(trained / "model.safetensors")))
+    assert {"embed_tokens.weight", "lm_head.weight", "fc.weight", "markov_head.markov_w1.weight",
+            "confidence_head.proj.weight", "layers.0.self_attn.q_proj.weight"} <= names
+    small = set(mx.load(str(tmp_path / "small" / "model.safetensors")))
+    assert small == names - {"embed_tokens.weight", "lm_head.weight"}
+    from mlx_dspark.models.drafters import load_drafter
+    from mlx_dspark.models.loading import load_target
+
+    target, _ = load_target(str(tiny))
+    d = load_drafter(str(tmp_path / "small"), target, bits=16)
+    assert d.kind == "dspark" and d.bound == ["embed_tokens", "lm_head"]
+
+
+def test_resume_continues_exactly(tiny, tmp_path):
+    from mlx_dspark.train.data import GenConfig
+    from mlx_dspark.train.pipeline import DistillOptions, run_distill
+    from mlx_dspark.train.trainer import DistillConfig
+
+    def opts(out, **kw):
+        cfg = DistillConfig(layers=1, markov_rank=16, steps=12, batch_size=2, anchors=4, save_every=4, lr=2e-3,
+                            gen=GenConfig(max_new_tokens=24, batch_size=16))
+        return DistillOptions(model=str(tiny), out=str(out), max_train_prompts=3, evaluate=False, temperature=0.0,
+                              train=cfg, **kw)
+
+    quiet = lambda s: None  # noqa: E731
+    run_distill(opts(tmp_path / "full"), log=quiet)
+
+    class Stop(Exception):
+        pass
+
+    def crash(step):
+        if step == 7:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_distill(opts(tmp_path / "cut"), log=quiet, on_step=crash)
+    state = json.loads((tmp_path / "cut" / "train_state" / "state.json").read_text())
+    assert state["step"] == 4  # the last periodic checkpoint
+    from mlx_dspark.errors import UserError
+
+    with pytest.raises(UserError, match="--resume"):
+        run_distill(opts(tmp_path / "cut"), log=quiet)
+    steps = []
+    run_distill(opts(tmp_path / "cut", resume=True), log=quiet, on_step=steps.append)
+    assert steps == list(range(5, 13))
+    a = mx.load(str(tmp_path / "full" / "train_state" / "trainable.safetensors"))
+    b = mx.load(str(tmp_path / "cut" / "train_state" / "trainable.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.allclose(np.array(a[k]), np.array(b[k]), atol=1e-6), k
+
+
+def _main(args: list[str]) -> int:
+    from mlx_dspark.cli.main import main
+
+    return main(["distill", *args])
+
+
+def test_bad_input_gets_a_clear_error(tiny, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert _main(["--model", str(tiny), "--out", str(tmp_path / "o1"), "--prompts", str(empty)]) == 2
+    assert "holds no prompts" in capsys.readouterr().err
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["fine"]}\n{"text": "no turns"}\n')
+    assert _main(["--model", str(tiny), "--out", str(tmp_path / "o2"), "--prompts", str(bad)]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+
+    for taps, words in (("0,5", "out of range"), ("1", "final layer")):
+        assert _main(["--model", str(tiny), "--out", str(tmp_path / f"o{taps}"), "--taps", taps]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, err
+
+    plain = write_model(tmp_path / "plain", "qwen3", **TINY)
+    tc = json.loads((plain / "tokenizer_config.json").read_text())
+    tc.pop("chat_template")
+    (plain / "tokenizer_config.json").write_text(json.dumps(tc))
+    assert _main(["--model", str(plain), "--out", str(tmp_path / "o3")]) == 2
+    assert "no chat template" in capsys.readouterr().err
+
+    (tmp_path / "o4").mkdir()
+    (tmp_path / "o4" / "keep.txt").write_text("x")
+    assert _main(["--model", str(tiny), "--out", str(tmp_path / "o4")]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert _main(["--model", str(tiny), "--out", str(tmp_path / "o5"), "--resume"]) == 2
+    assert "no interrupted training run" in capsys.readouterr().err
+
+
+def test_training_forward_is_the_inference_forward(tiny, tmp_path):
+    """Many blocks at once with the block mask == the drafter's cached one-block forward."""
+    from mlx_dspark.models.drafters import load_drafter
+    from mlx_dspark.models.loading import load_target
+    from mlx_dspark.train import checkpoint as ck
+    from mlx_dspark.train.forward import block_hidden
+    from mlx_dspark.train.trainer import DistillConfig, build_model
+
+    target, tok = load_target(str(tiny))
+    cfg = DistillConfig(layers=2, block_size=5, markov_rank=8, taps=[0])
+    model, hcfg, spec = build_model(target, tok, cfg, tmp_path / "d")
+    ck.init_weights(model, seed=3, std=0.2)  # larger weights: attention patterns matter
+    ck.save_drafter(model, hcfg, tmp_path / "d")
+    d = load_drafter(str(tmp_path / "d"), target, bits=16)
+    rng = np.random.default_rng(0)
+    ids = mx.array(rng.integers(0, target.vocab_size - 8, size=(2, 20)).astype(np.int32))
+    taps = target.forward(ids, None, taps=spec.taps).hidden
+    anchors = np.array([[0, 4, 11, 19], [2, 3, 9, 15]], np.int32)
+    m = d.model  # the loaded module tree itself (bf16-rounded weights, as the loader holds them)
+    if not hasattr(m, "embed_tokens"):
+        m.embed_tokens = target.embed_tokens  # bound to the target's identical matrix
+    hb = block_hidden(m, taps, ids, mx.array(anchors), cfg.block_size, spec.mask_token_id)
+    for s in range(2):
+        for a, p in enumerate(anchors[s]):
+            ref = d.block_hidden(int(ids[s, p]), taps[s, :p] if p else None, d.new_state())
+            assert float(mx.abs(ref - hb[s, a]).max()) < 1e-4 * (1 + float(mx.abs(ref).max()))
+
+
+def test_loss_masks_and_schedule():
+    from mlx_dspark.train.losses import anchor_targets
+    from mlx_dspark.train.trainer import lr_at
+
+    toks = list(range(100, 112))  # 12 tokens, the answer starts at 5
+    lab, prev, m = anchor_targets(toks, 5, 12, np.array([5, 9]), 4)
+    assert lab.tolist() == [[106, 107, 108, 109], [110, 111, 111, 111]]
+    assert prev.tolist() == [[105, 106, 107, 108], [109, 110, 111, 111]]
+    assert m.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]  # past the end: masked, cumulatively
+    assert lr_at(0, 100, 1.0, 0.04) == pytest.approx(0.25)
+    assert lr_at(3, 100, 1.0, 0.04) == pytest.approx(1.0)
+    assert lr_at(99, 100, 1.0, 0.04) < 1e-3 and lr_at(51, 100, 1.0, 0.04) == pytest.approx(0.5, abs=0.02)
+
+
+def test_the_shipped_reference_drafter_is_registered_and_loadable():
+    """The SmolLM2-135M-Instruct drafter in the package: registered for the demo target (any
+    storage of it), <= 30 MB, and a checkpoint our loader accepts (compact: embed/lm_head bound)."""
+    from mlx_dspark.models import registry
+    from mlx_dspark.models.checkpoints import build_spec, read_config, tensor_shapes
+
+    pairs = registry.pairs_for_name("SmolLM2-135M-Instruct.Q4_1.gguf", "dspark")
+    assert pairs and pairs == registry.pairs_for_name("HuggingFaceTB/SmolLM2-135M-Instruct", "dspark")
+    path = Path(pairs[0].drafter)
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 30e6
+    spec = build_spec(path, read_config(path), tensor_shapes(path))
+    assert spec.packaging == "deepspec-dspark" and spec.vocab_size == 49152 and spec.backbone.hidden_size == 576
+    assert spec.config["embeddings_from_target"] and "lm_head.weight" not in spec.shapes
+    assert max(spec.taps) <= 28 and spec.num_target_layers == 30
