@@ -156,7 +156,8 @@ def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None,
                 mx.async_eval(nxt)
             tok = int(pending.item())
             if commit([tok], pending_row, 0, pending_is_round):
-                target.trim(cache, 1)  # the pending token's forward was not needed
+                if target.can_trim(cache, 1):
+                    target.trim(cache, 1)  # the pending token's forward was not needed
                 break
             if taps:
                 proposer.observe(0, 0, out.hidden[0])
