@@ -80,14 +80,9 @@ def verify_curve(target, ids: list[int], reps: int) -> dict:
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from mlx_dspark.benchmark import cpu_name
+
+    cpu = cpu_name()
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "mlx": mx.__version__, "device": str(mx.default_device()),
             "blas": loaded_blas() or "MLX's bundled reference BLAS",

@@ -118,14 +118,9 @@ def run_phase(port: int, model: str, n: int, clients: int, max_tokens: int) -> d
 def machine() -> str:
     import mlx.core as mx
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from mlx_dspark.benchmark import cpu_name
+
+    cpu = cpu_name()
     blas = "OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled BLAS"
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores (load average {load} "

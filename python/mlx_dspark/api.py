@@ -189,12 +189,10 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
     if max_draft is None or max_draft == 0:
         block = getattr(proposer, "block_drafts", None)  # drafters: the full block
         max_draft = block if block else DEFAULT_MAX_DRAFT.get(resolved_mode, 16)
-        if getattr(proposer, "lookup_drafts", False):
-            # Free n-gram drafts inside drafter rounds may run long; drafter drafts stay capped
-            # at the block by the proposer itself.
+        if resolved_mode == "lookup" or getattr(proposer, "lookup_drafts", False):
+            # Free n-gram drafts may run long (inside drafter rounds too; drafter drafts stay
+            # capped at the block by the proposer itself). An explicit --max-draft is a cap.
             max_draft = max(max_draft, lookup_long_draft)
-    if resolved_mode == "lookup":
-        max_draft = max(max_draft, lookup_long_draft)
     if max_draft < 0:
         raise UserError(f"--max-draft must be >= 0, got {max_draft}")
     stream = TextStream(tokenizer, stop, on_text, keep_leading_space=keep_leading_space)

@@ -47,6 +47,19 @@ class Measure:
     extra: dict = field(default_factory=dict)
 
 
+def cpu_name() -> str:
+    """The processor's model name (from /proc/cpuinfo on Linux), else the machine type."""
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_stamp() -> str:
     dev = mx.default_device()
     name = str(dev)

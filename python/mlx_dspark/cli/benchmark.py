@@ -20,7 +20,6 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from .. import benchmark as bm
-    from ..api import GenerationResult  # noqa: F401  (import check)
     from ..decode.modes import make_proposer
 
     target, tokenizer, drafter = load_from_args(args)

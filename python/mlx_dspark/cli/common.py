@@ -9,14 +9,22 @@ from ..decode.sampling import SamplingParams
 from ..errors import UserError
 
 
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
+def int_at_least(low: int):
+    """An argparse type: an integer >= `low`, with a one-line message otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {v}")
+        return v
+
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

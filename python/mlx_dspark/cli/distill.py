@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import positive_int
+from .common import int_at_least, positive_int
 
 
 def _taps(text: str) -> list[int]:
@@ -15,14 +15,7 @@ def _taps(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got {text!r}") from None
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
+_nonneg_int = int_at_least(0)
 
 
 def add_parser(sub) -> None:

@@ -57,7 +57,10 @@ class BlockDrafter:
     def ingest(self, rows: mx.array, state: list[ContextKV]) -> None:
         self.model.ingest(rows, state)
 
+    # embed() and logits() differ per packaging: DSparkDrafter (own copies, or the target's) and
+    # ZLabDFlashDrafter (always the target's) define them.
     def embed(self, ids: mx.array) -> mx.array:
+        """Input embeddings of block ids [n] -> [n, H], family scaling included."""
         raise NotImplementedError
 
     def logits(self, hidden: mx.array) -> mx.array:
