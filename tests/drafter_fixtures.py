@@ -379,6 +379,16 @@ def workspace() -> dict:
     return _WORKSPACE
 
 
+def perm_chain(start: int, n: int) -> list[int]:
+    """The perm target's greedy continuation of `start`: f(start), f(f(start)), ... (n tokens)."""
+    f = workspace()["perm"]
+    out, t = [], start
+    for _ in range(n):
+        t = int(f[t])
+        out.append(t)
+    return out
+
+
 def write_perm_dspark_noisy(path, target_dir, f: np.ndarray, *, noise: float = 8.0, seed: int = 8) -> Path:
     """The agreeing DSpark drafter with noise on W2: it agrees with the target only some of the
     time, so rounds accept varied, partial prefixes (a stress test for commits and crops)."""

@@ -70,21 +70,47 @@ def test_distill_raises_acceptance_above_a_random_drafter(tiny, tmp_path):
     target, _ = load_target(str(tiny))
     d = load_drafter(str(tmp_path / "small"), target, bits=16)
     assert d.kind == "dspark" and d.bound == ["embed_tokens", "lm_head"]
+    # The answer-token ranking (the draft vocabulary) is written and shipped with the export.
+    rank = json.loads((trained / "draft_vocab.json").read_text())
+    assert (tmp_path / "small" / "draft_vocab.json").read_text() == (trained / "draft_vocab.json").read_text()
+    answers = [t for line in (trained / "samples.jsonl").read_text().splitlines()[1:]
+               for r in [json.loads(line)] for t in r["ids"][r["n_prompt"]:]]
+    assert rank["tokens"] == len(answers) and set(rank["ids"]) == set(answers)
+    assert rank["counts"] == sorted(rank["counts"], reverse=True)
+    assert d.describe()["draft_vocab"] <= len(rank["ids"])
+
+
+def _small_run(tiny, out, *, steps, save_every, prompts, answer_tokens, **kw):
+    """DistillOptions of a short, deterministic run (greedy answers) on the tiny target."""
+    from mlx_dspark.train.data import GenConfig
+    from mlx_dspark.train.pipeline import DistillOptions
+    from mlx_dspark.train.trainer import DistillConfig
+
+    cfg = DistillConfig(layers=1, markov_rank=16, steps=steps, batch_size=2, anchors=4, save_every=save_every,
+                        lr=2e-3, gen=GenConfig(max_new_tokens=answer_tokens, batch_size=16))
+    return DistillOptions(model=str(tiny), out=str(out), max_train_prompts=prompts, evaluate=False,
+                          temperature=0.0, train=cfg, **kw)
+
+
+def _assert_same_trained_weights(a_dir: Path, b_dir: Path) -> None:
+    a = mx.load(str(a_dir / "train_state" / "trainable.safetensors"))
+    b = mx.load(str(b_dir / "train_state" / "trainable.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.allclose(np.array(a[k]), np.array(b[k]), atol=1e-6), k
+
+
+def _quiet(s: str) -> None:
+    pass
 
 
 def test_resume_continues_exactly(tiny, tmp_path):
-    from mlx_dspark.train.data import GenConfig
-    from mlx_dspark.train.pipeline import DistillOptions, run_distill
-    from mlx_dspark.train.trainer import DistillConfig
+    from mlx_dspark.train.pipeline import run_distill
 
     def opts(out, **kw):
-        cfg = DistillConfig(layers=1, markov_rank=16, steps=12, batch_size=2, anchors=4, save_every=4, lr=2e-3,
-                            gen=GenConfig(max_new_tokens=24, batch_size=16))
-        return DistillOptions(model=str(tiny), out=str(out), max_train_prompts=3, evaluate=False, temperature=0.0,
-                              train=cfg, **kw)
+        return _small_run(tiny, out, steps=12, save_every=4, prompts=3, answer_tokens=24, **kw)
 
-    quiet = lambda s: None  # noqa: E731
-    run_distill(opts(tmp_path / "full"), log=quiet)
+    run_distill(opts(tmp_path / "full"), log=_quiet)
 
     class Stop(Exception):
         pass
@@ -94,27 +120,89 @@ def test_resume_continues_exactly(tiny, tmp_path):
             raise Stop
 
     with pytest.raises(Stop):
-        run_distill(opts(tmp_path / "cut"), log=quiet, on_step=crash)
+        run_distill(opts(tmp_path / "cut"), log=_quiet, on_step=crash)
     state = json.loads((tmp_path / "cut" / "train_state" / "state.json").read_text())
     assert state["step"] == 4  # the last periodic checkpoint
     from mlx_dspark.errors import UserError
 
     with pytest.raises(UserError, match="--resume"):
-        run_distill(opts(tmp_path / "cut"), log=quiet)
+        run_distill(opts(tmp_path / "cut"), log=_quiet)
     steps = []
-    run_distill(opts(tmp_path / "cut", resume=True), log=quiet, on_step=steps.append)
+    run_distill(opts(tmp_path / "cut", resume=True), log=_quiet, on_step=steps.append)
     assert steps == list(range(5, 13))
-    a = mx.load(str(tmp_path / "full" / "train_state" / "trainable.safetensors"))
-    b = mx.load(str(tmp_path / "cut" / "train_state" / "trainable.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert np.allclose(np.array(a[k]), np.array(b[k]), atol=1e-6), k
+    _assert_same_trained_weights(tmp_path / "full", tmp_path / "cut")
 
 
 def _main(args: list[str]) -> int:
     from mlx_dspark.cli.main import main
 
     return main(["distill", *args])
+
+
+def test_batched_answers_equal_one_at_a_time_greedy_and_stop_at_their_stop_token(tiny):
+    """answer_batch (left-padded static batch, finished rows dropped as it thins) gives every
+    prompt exactly the answer a plain one-sequence greedy loop gives: the same tokens, ending
+    at the first stop token (kept) or at max_new."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_dspark.models.loading import load_target
+    from mlx_dspark.train import data as D
+
+    target, tok = load_target(str(tiny))
+    m = target.model
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, target.vocab_size - 8, size=int(n)).tolist() for n in rng.integers(3, 30, size=9)]
+
+    def one(p, stops, n):
+        cache = make_prompt_cache(m)
+        logits = m(mx.array([p]), cache=cache)[:, -1]
+        out = []
+        for _ in range(n):
+            t = int(mx.argmax(logits, axis=-1).item())
+            out.append(t)
+            if t in stops:
+                break
+            logits = m(mx.array([[t]]), cache=cache)[:, -1]
+        return out
+
+    free = [one(p, set(), 24) for p in prompts]
+    # Stop tokens that the free answers do emit, at different depths, so rows finish at
+    # different steps (and some never).
+    stops = {free[0][3], free[1][9], free[2][15]}
+    want = [one(p, stops, 24) for p in prompts]
+    assert len({len(w) for w in want}) >= 3, want
+    got = D.answer_batch(m, prompts, 24, make_sampler(temp=0.0), stops)
+    assert got == want
+    assert D.answer_batch(m, prompts, 24, make_sampler(temp=0.0), set()) == free
+
+
+def test_a_terminated_run_saves_its_state_and_resumes_to_the_same_weights(tiny, tmp_path):
+    """SIGTERM (a job's time limit, a kill) mid-training: the step finishes, the state is saved,
+    distill stops with a clear message; --resume then ends where an uninterrupted run ends."""
+    import signal
+
+    from mlx_dspark.errors import UserError
+    from mlx_dspark.train.pipeline import run_distill
+
+    def opts(out, **kw):
+        return _small_run(tiny, out, steps=9, save_every=0, prompts=2, answer_tokens=16, **kw)
+
+    run_distill(opts(tmp_path / "full"), log=_quiet)
+
+    def term(step):
+        if step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(UserError, match=r"stopped at step 5/9.*--resume"):
+        run_distill(opts(tmp_path / "cut"), log=_quiet, on_step=term)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is handed back
+    state = json.loads((tmp_path / "cut" / "train_state" / "state.json").read_text())
+    assert state["step"] == 5  # saved at the stop, not at the last periodic checkpoint (none)
+    steps = []
+    run_distill(opts(tmp_path / "cut", resume=True), log=_quiet, on_step=steps.append)
+    assert steps == list(range(6, 10))
+    _assert_same_trained_weights(tmp_path / "full", tmp_path / "cut")
 
 
 def test_bad_input_gets_a_clear_error(tiny, tmp_path, capsys):
@@ -204,3 +292,6 @@ def test_the_shipped_reference_drafter_is_registered_and_loadable():
     assert spec.packaging == "deepspec-dspark" and spec.vocab_size == 49152 and spec.backbone.hidden_size == 576
     assert spec.config["embeddings_from_target"] and "lm_head.weight" not in spec.shapes
     assert max(spec.taps) <= 28 and spec.num_target_layers == 30
+    from mlx_dspark.models.draft_vocab import select
+
+    assert 4000 < len(select(path, "auto", 49152)) < 16384  # a draft vocabulary ships with it

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafter_fixtures import target, workspace
+from drafter_fixtures import perm_chain, target, workspace
 from mlx_dspark.api import generate
 from mlx_dspark.models.checkpoints import DrafterSpec
 from mlx_dspark.models.drafters import load_drafter
@@ -73,14 +73,6 @@ def test_lossless_every_drafter(key, data, n, max_draft, lookup, threshold):
     assert res.tokens == baseline(tkey, prompt, n)
 
 
-def _chain(start, n):
-    f = workspace()["perm"]
-    out, t = [], start
-    for _ in range(n):
-        t = int(f[t])
-        out.append(t)
-    return out
-
 
 @pytest.mark.parametrize("lookup", [False, True])
 def test_agreeing_dspark_accepts_whole_blocks(lookup):
@@ -93,7 +85,7 @@ def test_agreeing_dspark_accepts_whole_blocks(lookup):
     n = 300
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=n,
                    lookup_drafts=lookup)
-    assert res.tokens == _chain(prompt[-1], n) == baseline("target_perm", prompt, n)
+    assert res.tokens == perm_chain(prompt[-1], n) == baseline("target_perm", prompt, n)
     assert res.accept_lengths[:-1] == [8] * (len(res.accept_lengths) - 1)
     assert len(res.accept_lengths) == -(-(n - 1) // 8)  # the first token comes from prefill
     s = res.stats
@@ -101,7 +93,7 @@ def test_agreeing_dspark_accepts_whole_blocks(lookup):
     # shorter caps: whole (capped) blocks still
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=60, max_draft=3,
                    lookup_drafts=False)
-    assert res.tokens == _chain(prompt[-1], 60) and set(res.accept_lengths[:-1]) == {4}
+    assert res.tokens == perm_chain(prompt[-1], 60) and set(res.accept_lengths[:-1]) == {4}
 
 
 def test_agreeing_dspark_4bit():
@@ -110,7 +102,7 @@ def test_agreeing_dspark_4bit():
     prompt = _perm_prompt(seed=3)
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=drafter("perm_dspark", 4),
                    max_new_tokens=80, lookup_drafts=False)
-    assert res.tokens == _chain(prompt[-1], 80) and set(res.accept_lengths[:-1]) == {8}
+    assert res.tokens == perm_chain(prompt[-1], 80) and set(res.accept_lengths[:-1]) == {8}
 
 
 @pytest.mark.parametrize("key", ["perm_dflash_zlab", "perm_dflash_deepspec"])
@@ -125,13 +117,13 @@ def test_agreeing_dflash_first_draft_every_round(key, monkeypatch):
     prompt = _perm_prompt(seed=5)
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="dflash", drafter=d, max_new_tokens=61,
                    lookup_drafts=False)
-    assert res.tokens == _chain(prompt[-1], 61)
+    assert res.tokens == perm_chain(prompt[-1], 61)
     assert res.accept_lengths == [2] * 30
     wrong = 0 if key.endswith("zlab") else 1
     monkeypatch.setattr(DrafterSpec, "logits_start", property(lambda self: wrong))
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="dflash", drafter=d, max_new_tokens=30,
                    max_draft=6, lookup_drafts=False)
-    assert res.tokens == _chain(prompt[-1], 30)
+    assert res.tokens == perm_chain(prompt[-1], 30)
     assert set(res.accept_lengths) == {1}
 
 
@@ -177,7 +169,7 @@ def test_confidence_threshold_truncates_to_plain_steps():
     prompt = _perm_prompt(seed=11)
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=20,
                    confidence_threshold=0.999, lookup_drafts=False)
-    assert res.tokens == _chain(prompt[-1], 20)
+    assert res.tokens == perm_chain(prompt[-1], 20)
     assert set(res.accept_lengths) == {1} and res.stats["truncated_rounds"] == len(res.accept_lengths) - 1
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=20,
                    confidence_threshold=0.99, lookup_drafts=False)

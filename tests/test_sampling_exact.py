@@ -116,6 +116,14 @@ def drafters16(target16_dir, target16, tmp_path_factory):
     dflash = write_deepspec(root / "dflash", target16_dir, taps=[0], markov_rank=0, confidence=False, seed=4)
     out = {"dspark": load_drafter(str(dspark), target16, bits=16), "dflash": load_drafter(str(dflash), target16, bits=16)}
     assert out["dspark"].kind == "dspark" and out["dflash"].kind == "dflash"
+    # The same DSpark drafter restricted to 9 of the 16 tokens (models/draft_vocab.py): q is 0
+    # on the other 7, which the target still samples (through the residual).
+    from mlx_dspark.models.draft_vocab import write_ranking
+
+    small = write_deepspec(root / "dspark-vocab", target16_dir, taps=[0], markov_rank=8, seed=3)
+    write_ranking(small, [[1, 3, 4, 6, 7, 9, 11, 12, 14]])
+    out["dspark-vocab"] = load_drafter(str(small), target16, bits=16, draft_vocab=9)
+    assert out["dspark-vocab"].describe()["draft_vocab"] == 9
     return out
 
 
@@ -344,11 +352,12 @@ E2E = {
     "dspark": ("dspark", PROMPT, dict(temperature=1.0, top_p=0.8)),
     "dspark-conf-pen": ("dspark-conf", PROMPT, dict(temperature=0.7, top_k=5, presence_penalty=0.7)),
     "dflash-pen": ("dflash", PROMPT, dict(temperature=1.0, top_k=4, frequency_penalty=0.8)),
+    "dspark-draft-vocab": ("dspark-vocab", PROMPT, dict(temperature=1.0, top_p=0.9)),
 }
 E2E_RUNS = 600
 # Which sampling path each runs: numpy on the host (the CPU default) or lazy MLX (the GPU default).
 E2E_HOST = {"baseline": True, "lookup-pen": False, "known-q": True, "dspark": False, "dspark-conf-pen": True,
-            "dflash-pen": False}
+            "dflash-pen": False, "dspark-draft-vocab": True}
 
 
 def e2e_setup(name, target16, drafters=None):
@@ -362,6 +371,7 @@ def e2e_setup(name, target16, drafters=None):
         "dspark": lambda s: drafters["dspark"].proposer(lookup_drafts=False),
         "dspark-conf": lambda s: drafters["dspark"].proposer(confidence_threshold=0.3, lookup_drafts=False),
         "dflash": lambda s: drafters["dflash"].proposer(lookup_drafts=False),
+        "dspark-vocab": lambda s: drafters["dspark-vocab"].proposer(lookup_drafts=False),
     }[kind]
     return make, prompt, cfg
 

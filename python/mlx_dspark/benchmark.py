@@ -10,6 +10,7 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -45,6 +46,15 @@ class Measure:
     mean_accept: float = 1.0
     prefill_s: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+def emit(text: str, out: str | None) -> None:
+    """Print a benchmark's report and append it to its --out record (bench/results/*.md), if any."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as f:
+            f.write(text + "\n")
 
 
 def cpu_name() -> str:

@@ -23,17 +23,18 @@ from .models.loading import load_target
 
 def load_pair(model: str, drafter: str | None = None, *, mode: str = "auto", bits: int | None = None,
               dtype: str | None = None, quantize: int | None = None, kv_bits: int | None = None,
-              probe: bool = True):
+              probe: bool = True, draft_vocab="auto"):
     """(target, tokenizer, drafter, config) for `model`. The drafter comes from `drafter`
     (repo id or folder) or the registry; it is None only for mode auto without a registered
     drafter (generation then falls back to lookup). `bits`: 4 / 8 / 16, or None = 4 on a GPU and
-    16 on the CPU backend. `config` describes the pair."""
+    16 on the CPU backend. `draft_vocab`: auto / full / N (models/draft_vocab.py). `config`
+    describes the pair."""
     if mode not in ("auto", "dspark", "dflash"):
         raise UserError(f"load_pair mode must be auto, dspark or dflash, got {mode!r}")
     from .models.drafters import resolve_drafter
 
     target, tokenizer = load_target(model, dtype=dtype, quantize=quantize, kv_bits=kv_bits, probe=probe)
-    d = resolve_drafter(target, mode=mode, drafter=drafter, bits=bits)
+    d = resolve_drafter(target, mode=mode, drafter=drafter, bits=bits, draft_vocab=draft_vocab)
     config = {"model": str(model), "mode": d.kind if d is not None else "lookup", "drafter": None}
     if d is not None:
         config.update(drafter=d.source, **{k: v for k, v in d.describe().items() if k != "source"})

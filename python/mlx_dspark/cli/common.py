@@ -40,6 +40,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter-bits", type=int, choices=[4, 8, 16], default=None,
                    help="drafter precision: 4/8-bit quantized at load, or 16 = unquantized "
                         "(default: 4 on a GPU; 16 on CPU, where MLX's quantized matmul does not batch)")
+    g.add_argument("--draft-vocab", default="auto", metavar="{auto,full,N}",
+                   help="draft only from the N tokens the target emits most often (the drafter's "
+                        "draft_vocab.json, written by distill); auto: those covering 99.5%% of its answers "
+                        "(default); full: the whole vocabulary. Output is unchanged either way")
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -87,7 +91,8 @@ def load_from_args(args, *, probe: bool = True):
         except ImportError:
             resolve_drafter = None
         if resolve_drafter is not None:
-            drafter = resolve_drafter(target, mode=args.mode, drafter=args.drafter, bits=args.drafter_bits)
+            drafter = resolve_drafter(target, mode=args.mode, drafter=args.drafter, bits=args.drafter_bits,
+                                      draft_vocab=getattr(args, "draft_vocab", "auto"))
         elif args.mode != "auto" or args.drafter:
             raise UserError(f"--mode {args.mode} / --drafter need drafter support, which this build lacks")
     return target, tokenizer, drafter

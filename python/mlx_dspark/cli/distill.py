@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     d.add_argument("--answer-tokens", type=positive_int, default=512, help="longest answer generated (default 512)")
     d.add_argument("--max-prompt-tokens", type=positive_int, default=1024, help="skip longer prompts (default 1024)")
     d.add_argument("--gen-batch-size", type=positive_int, default=128, help="answers generated at once (default 128)")
+    d.add_argument("--answers-per-prompt", type=positive_int, default=1,
+                   help="answers per prompt, each from another seed (default 1): more data from few prompts")
     d.add_argument("--gen-seconds", type=float, help="stop generating answers after this many seconds")
     d.add_argument("--temperature", type=float, help="answer sampling (default: the target's generation_config, "
                                                      "else 0.7)")
@@ -86,7 +88,8 @@ def options_from_args(args):
     if args.block_size < 2:
         raise UserError(f"--block-size must be at least 2, got {args.block_size}")
     gen = GenConfig(max_new_tokens=args.answer_tokens, batch_size=args.gen_batch_size,
-                    max_prompt_tokens=args.max_prompt_tokens, time_limit=args.gen_seconds)
+                    max_prompt_tokens=args.max_prompt_tokens, time_limit=args.gen_seconds,
+                    answers_per_prompt=args.answers_per_prompt)
     cfg = DistillConfig(kind=args.kind, layers=args.layers, block_size=args.block_size, taps=args.taps,
                         markov_rank=args.markov_rank, intermediate_size=args.intermediate_size,
                         mask_token_id=args.mask_token_id, steps=args.steps, train_seconds=args.train_seconds,

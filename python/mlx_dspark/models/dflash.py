@@ -38,6 +38,7 @@ class BlockDrafter:
     kind = "dflash"
     markov = None
     conf_head = None
+    vocab_ids: mx.array | None = None  # the draft vocabulary (sorted token ids), None: the full one
 
     def __init__(self, model: Backbone, spec: DrafterSpec, *, bits: int = 16):
         self.model = model
@@ -67,6 +68,22 @@ class BlockDrafter:
         """Base draft logits U [n, V] of final-normed slot hidden states [n, H]."""
         raise NotImplementedError
 
+    def restrict_vocab(self, ids) -> None:
+        """Draft only from these token ids (models/draft_vocab.py): logits() then returns [n, N]
+        over the subset, and sample() hands the chooser full rows, -inf outside it."""
+        from .draft_vocab import row_subset
+
+        self.vocab_ids = mx.array(sorted({int(t) for t in ids}), dtype=mx.int32)
+        self._head = row_subset(self._head, self.vocab_ids)
+
+    def full_row(self, z: mx.array) -> mx.array:
+        """A logits row over the draft vocabulary -> over the whole vocabulary."""
+        if self.vocab_ids is None:
+            return z
+        from .draft_vocab import expand
+
+        return expand(z, self.vocab_ids, self.spec.vocab_size)
+
     def block_hidden(self, anchor: int, rows: mx.array | None, state: list[ContextKV]) -> mx.array:
         """Final-normed hidden states of the draft slots [block_drafts, H] (one backbone pass)."""
         ids = mx.array([int(anchor)] + [self.mask_token_id] * (self.block_size - 1), dtype=mx.int32)
@@ -80,7 +97,7 @@ class BlockDrafter:
         U = self.logits(hidden)
         toks, qs = [], []
         for j in range(U.shape[0]):
-            t, q = choose(U[j], toks)
+            t, q = choose(self.full_row(U[j]), toks)
             toks.append(t)
             qs.append(q)
         return toks, qs, None
@@ -95,7 +112,8 @@ class BlockDrafter:
         return {"kind": self.kind, "packaging": self.packaging, "style": self.spec.style, "source": self.source,
                 "block_size": self.block_size, "drafts_per_round": self.block_drafts, "taps": list(self.taps),
                 "layers": b.num_layers, "hidden_size": b.hidden_size, "bits": self.bits,
-                "markov_rank": self.spec.markov_rank, "confidence_head": self.spec.confidence}
+                "markov_rank": self.spec.markov_rank, "confidence_head": self.spec.confidence,
+                "draft_vocab": int(self.vocab_ids.size) if self.vocab_ids is not None else self.spec.vocab_size}
 
 
 class ZLabDFlashModel(Backbone):

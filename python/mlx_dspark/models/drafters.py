@@ -121,9 +121,13 @@ def auto_bits() -> int:
     return 16 if mx.default_device() == mx.cpu else 4
 
 
-def load_drafter(source: str, target, *, bits: int | None = None) -> BlockDrafter:
+def load_drafter(source: str, target, *, bits: int | None = None, draft_vocab="auto") -> BlockDrafter:
     """Load a drafter checkpoint for `target`: strict 1:1, refused with the reason if it does not fit.
-    `bits` 4 / 8 quantize at load, 16 keeps the weights unquantized, None picks auto_bits()."""
+    `bits` 4 / 8 quantize at load, 16 keeps the weights unquantized, None picks auto_bits().
+    `draft_vocab`: auto / full / N, the draft vocabulary (models/draft_vocab.py)."""
+    from . import draft_vocab as dv
+
+    dv.parse_choice(draft_vocab)  # a bad value fails before the weights are read
     if bits is None:
         bits = auto_bits()
     if bits not in (4, 8, 16):
@@ -151,8 +155,13 @@ def load_drafter(source: str, target, *, bits: int | None = None) -> BlockDrafte
             drafter.bound = _bind_identical_copies(model, drafter, target)
     if bits in (4, 8):
         _quantize(model, bits)
+        if isinstance(drafter, DSparkDrafter):
+            drafter.refresh()
     model.eval()
     mx.eval(model.parameters())
+    ids = dv.select(path, draft_vocab, spec.vocab_size)
+    if ids is not None:
+        drafter.restrict_vocab(ids)
     return drafter
 
 
@@ -161,7 +170,7 @@ def _warn(msg: str) -> None:
 
 
 def resolve_drafter(target, mode: str = "auto", drafter: str | None = None,
-                    bits: int | None = None) -> BlockDrafter | None:
+                    bits: int | None = None, draft_vocab="auto") -> BlockDrafter | None:
     """The drafter for `target` in `mode` (see the module docstring); None only for mode auto
     (or baseline / lookup) without a usable registered drafter."""
     if mode in ("baseline", "lookup"):
@@ -171,7 +180,7 @@ def resolve_drafter(target, mode: str = "auto", drafter: str | None = None,
     if mode not in ("auto", "dspark", "dflash"):
         raise UserError(f"unknown mode {mode!r}")
     if drafter:
-        d = load_drafter(drafter, target, bits=bits)
+        d = load_drafter(drafter, target, bits=bits, draft_vocab=draft_vocab)
         if mode != "auto" and d.kind != mode:
             raise UserError(f"--mode {mode} needs a {mode} checkpoint, but {drafter} is a {d.kind} drafter "
                             f"({d.packaging}); use --mode {d.kind} or --mode auto")
@@ -181,7 +190,7 @@ def resolve_drafter(target, mode: str = "auto", drafter: str | None = None,
     for kind in kinds:
         for pair in registry.pairs_for(target, kind):
             try:
-                return load_drafter(pair.drafter, target, bits=bits)
+                return load_drafter(pair.drafter, target, bits=bits, draft_vocab=draft_vocab)
             except UserError as e:
                 if mode != "auto":
                     raise

@@ -114,8 +114,24 @@ class DSparkDrafter(BlockDrafter):
             u = mx.tanh(u / self._softcap) * self._softcap
         return u
 
+    def refresh(self) -> None:
+        """Re-read the own embed / lm_head modules (after nn.quantize replaced them); bound ones stay."""
+        if "embed_tokens" in self.model:
+            self._embed = self.model.embed_tokens
+        if "lm_head" in self.model:
+            self._head = self.model.lm_head
+
+    def restrict_vocab(self, ids) -> None:
+        super().restrict_vocab(ids)
+        if self.markov is not None:
+            from .draft_vocab import row_subset
+
+            self._w2 = row_subset(self.markov.markov_w2, self.vocab_ids)
+
     def markov_bias(self, prev: mx.array) -> mx.array:
-        return self.markov(prev)
+        if self.vocab_ids is None:
+            return self.markov(prev)
+        return self._w2(self.markov.markov_w1(prev.reshape(1)))[0]
 
     def confidence_logits(self, hidden: mx.array, prevs: mx.array) -> mx.array:
         """s [k] for slot states hidden [k, H] and their previous tokens prevs [k]."""
@@ -136,7 +152,7 @@ class DSparkDrafter(BlockDrafter):
         toks, qs, prevs = [], [], []
         for j in range(U.shape[0]):
             z = U[j] + self.markov_bias(prev).astype(U.dtype)
-            t, q = choose(z, toks)
+            t, q = choose(self.full_row(z), toks)
             prevs.append(prev)
             toks.append(t)
             qs.append(q)

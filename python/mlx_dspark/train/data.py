@@ -5,8 +5,9 @@ turn is used, as DeepSpec's evaluator does), plus a small built-in set. Each pro
 with the target's chat template (user turn only, generation prompt on, `enable_thinking=False`):
 the same ids the verify loop sees at inference (`api.encode_prompt`).
 
-The target answers every prompt itself, in batches (mlx-lm's continuous-batching
-`BatchGenerator`). An answer keeps its end-of-turn token when the target stopped, so the drafter
+The target answers every prompt itself, in static batches of similar-length prompts
+(`answer_batch`: left-padded, prefilled at once, decoded together, finished rows dropped).
+An answer keeps its end-of-turn token when the target stopped, so the drafter
 also learns to predict the end. A `Sample` is the whole sequence (prompt + answer) and the number
 of prompt tokens; the loss only ever looks at answer tokens.
 
@@ -197,6 +198,7 @@ class GenConfig:
     batch_size: int = 128
     max_prompt_tokens: int = 1024
     seed: int = 0
+    answers_per_prompt: int = 1  # more answers per prompt (other seeds): more data from few prompts
     time_limit: float | None = None  # stop generating after this many seconds (answers so far are kept)
 
     def key(self) -> dict:
@@ -205,11 +207,77 @@ class GenConfig:
         return k
 
 
+def _batch_cache(model, left_padding: list[int]) -> list:
+    """Per-layer batched caches (left-padded rows) shaped like the model's own prompt cache."""
+    from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache,
+                                     make_prompt_cache)
+
+    out = []
+    for c in make_prompt_cache(model):
+        if isinstance(c, RotatingKVCache):
+            out.append(BatchRotatingKVCache(c.max_size, left_padding))
+        elif isinstance(c, KVCache):
+            out.append(BatchKVCache(left_padding))
+        else:
+            raise UserError(f"distill cannot batch answers for a target with a {type(c).__name__} cache "
+                            "(attention KV and sliding-window caches only)")
+    return out
+
+
+def answer_batch(model, prompts: Sequence[list[int]], max_new: int, sampler, stops: set[int],
+                 deadline: float | None = None, prefill_step: int = 512) -> list[list[int]]:
+    """The answers to one static batch of prompts (left-padded, prefilled together, decoded
+    together). A row stops at its first stop token (kept) or after `max_new` tokens; finished
+    rows are dropped from the batch as it thins out. Decoding is pipelined: step k+1 is queued
+    before step k's tokens are read back."""
+    import mlx.core as mx
+
+    n = len(prompts)
+    width = max(len(p) for p in prompts)
+    pad = [width - len(p) for p in prompts]
+    x = mx.array([[0] * k + list(p) for k, p in zip(pad, prompts)], dtype=mx.int32)
+    cache = _batch_cache(model, pad)
+    for i in range(0, width - 1, prefill_step):  # the prompt but its last token; logits never built
+        model(x[:, i : min(i + prefill_step, width - 1)], cache=cache)
+        mx.eval([c.state for c in cache])
+    y = sampler(model(x[:, -1:], cache=cache)[:, -1, :])
+    mx.async_eval(y)
+    rows = list(range(n))  # batch row -> prompt index
+    alive = [True] * n  # a finished row stays in the batch until the next filter, ignored
+    answers: list[list[int]] = [[] for _ in range(n)]
+    for step in range(max_new):
+        last = step == max_new - 1 or (deadline is not None and time.perf_counter() > deadline)
+        if not last:
+            y_next = sampler(model(y[:, None], cache=cache)[:, -1, :])
+            mx.async_eval(y_next)
+        for r, t in enumerate(y.tolist()):
+            if alive[r]:
+                answers[rows[r]].append(t)
+                alive[r] = t not in stops
+        keep = [r for r in range(len(rows)) if alive[r]]
+        if last or not keep:
+            break
+        if len(keep) <= 0.75 * len(rows) or len(rows) - len(keep) >= 64:
+            ki = mx.array(keep)
+            for c in cache:
+                c.filter(ki)
+            y_next = y_next[ki]
+            rows = [rows[r] for r in keep]
+            alive = [True] * len(rows)
+        y = y_next
+    return answers
+
+
 def generate_samples(target, tokenizer, prompts: Sequence[Prompt], cfg: GenConfig,
                      progress: Callable[[str], None] | None = None) -> list[Sample]:
-    """The target's answers to `prompts` (batched), as training samples."""
+    """The target's answers to `prompts`, `cfg.answers_per_prompt` each, as training samples.
+
+    Static batches of prompts of similar length (little padding), domains interleaved so that a
+    time-limited run covers every domain; with several answers per prompt, every prompt gets
+    its first answer before any gets a second (a different seed, same sampling settings)."""
+    import random
+
     import mlx.core as mx
-    from mlx_lm.generate import BatchGenerator
     from mlx_lm.sample_utils import make_sampler
 
     from ..api import stop_token_ids
@@ -227,49 +295,39 @@ def generate_samples(target, tokenizer, prompts: Sequence[Prompt], cfg: GenConfi
         say(f"distill: skipped {dropped} prompts longer than {cfg.max_prompt_tokens} tokens")
     if not encoded:
         raise UserError(f"every prompt is longer than --max-prompt-tokens {cfg.max_prompt_tokens}")
-    mx.random.seed(cfg.seed)
     sampler = make_sampler(temp=cfg.temperature, top_p=cfg.top_p if 0 < cfg.top_p < 1 else 0.0, top_k=cfg.top_k)
-    stops = stop_token_ids(target, tokenizer)
-    gen = BatchGenerator(target.model, stop_tokens=[[t] for t in stops], sampler=sampler,
-                         completion_batch_size=cfg.batch_size, prefill_batch_size=min(cfg.batch_size, 32),
-                         max_tokens=cfg.max_new_tokens)
-    # Domains interleaved (a seeded shuffle), so that a time-limited run still covers every
-    # domain; within windows of a few batches, longest first, so that prefill batches pad little.
-    import random
-
+    stops = set(stop_token_ids(target, tokenizer))
+    bs = max(1, cfg.batch_size)
+    # Batches: a seeded shuffle cut into windows of 8 batches, each window sorted by length.
     order = list(range(len(encoded)))
     random.Random(cfg.seed).shuffle(order)
-    win = max(cfg.batch_size, 1) * 2
-    order = [i for k in range(0, len(order), win)
-             for i in sorted(order[k : k + win], key=lambda i: -len(encoded[i][0]))]
-    uids = gen.insert([encoded[i][0] for i in order], [cfg.max_new_tokens] * len(order))
-    uid_to_idx = {u: order[k] for k, u in enumerate(uids)}
-    answers: dict[int, list[int]] = {u: [] for u in uids}
-    done, n_tok, t0, last = 0, 0, time.perf_counter(), 0.0
-    try:
-        while responses := gen.next_generated():
-            if cfg.time_limit and time.perf_counter() - t0 > cfg.time_limit:
-                say(f"distill: answer generation stopped at its time limit ({cfg.time_limit:.0f}s); "
-                    f"unfinished answers are kept as they are")
-                break
-            for r in responses:
-                answers[r.uid].append(int(r.token))
-                n_tok += 1
-                if r.finish_reason is not None:
-                    done += 1
-            now = time.perf_counter()
-            if now - last > 5.0 or done == len(uids):
-                last = now
-                el = now - t0
-                say(f"distill: answers {done}/{len(uids)}, {n_tok} tokens, {n_tok / max(el, 1e-9):.0f} tok/s, "
-                    f"{el:.0f}s")
-    finally:
-        gen.close()
-    samples = []
-    for u, ans in answers.items():
-        ids, dom = encoded[uid_to_idx[u]]
-        if len(ans) >= 2:
-            samples.append(Sample(list(ids) + ans, len(ids), dom))
+    win = bs * 8
+    order = [i for k in range(0, len(order), win) for i in sorted(order[k : k + win], key=lambda i: len(encoded[i][0]))]
+    batches = [order[k : k + bs] for k in range(0, len(order), bs)]
+    t0 = time.perf_counter()
+    deadline = t0 + cfg.time_limit if cfg.time_limit else None
+    samples: list[Sample] = []
+    n_tok, last, total = 0, 0.0, len(batches) * max(1, cfg.answers_per_prompt)
+    done = 0
+    for rep, b in ((r, b) for r in range(max(1, cfg.answers_per_prompt)) for b in batches):
+        if deadline is not None and time.perf_counter() > deadline:
+            say(f"distill: answer generation stopped at its time limit ({cfg.time_limit:.0f}s)")
+            break
+        if b is batches[0]:
+            mx.random.seed(cfg.seed + rep)
+        answers = answer_batch(target.model, [encoded[i][0] for i in b], cfg.max_new_tokens, sampler, stops,
+                               deadline)
+        for i, ans in zip(b, answers):
+            n_tok += len(ans)
+            if len(ans) >= 2:
+                ids, dom = encoded[i]
+                samples.append(Sample(list(ids) + ans, len(ids), dom))
+        done += 1
+        now = time.perf_counter()
+        if now - last > 5.0 or done == total:
+            last = now
+            say(f"distill: answer batches {done}/{total}, {len(samples)} answers, {n_tok} tokens, "
+                f"{n_tok / max(now - t0, 1e-9):.0f} tok/s, {now - t0:.0f}s")
     samples.sort(key=lambda s: (s.domain, s.ids))
     return samples
 

@@ -4,7 +4,8 @@ The embed_tokens / lm_head tensors of a DeepSpec checkpoint are frozen copies of
 matrices (2 x V x H: most of a small drafter). The export leaves them out and marks the config
 with `"embeddings_from_target": true`; our loader (models/checkpoints.py, models/drafters.py)
 then binds the target's own embedding and output head, as it does for z-lab checkpoints.
-Everything else is the checkpoint's bf16 tensors, unchanged.
+Everything else is the checkpoint's bf16 tensors, unchanged; the draft vocabulary ranking
+(draft_vocab.json, models/draft_vocab.py) is copied along.
 
     python -m mlx_dspark.train.export FULL_DIR OUT_DIR
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -45,6 +47,10 @@ def export_compact(src: Path, dest: Path) -> Path:
     os.replace(tmp / "model.safetensors", dest / "model.safetensors")
     os.replace(tmp / "config.json", dest / "config.json")
     tmp.rmdir()
+    from ..models.draft_vocab import FILE
+
+    if (src / FILE).is_file():
+        shutil.copyfile(src / FILE, dest / FILE)
     return dest
 
 

@@ -5,6 +5,7 @@
 
 Output folder:
   config.json, model.safetensors   the drafter (DeepSpec layout): `--drafter DIR` loads it
+  draft_vocab.json                 the target's answer tokens ranked by frequency (--draft-vocab)
   samples.jsonl                    the target's answers (reused by --resume and re-runs)
   train_state/                     resumable state (weights, optimizer, data position)
   train_log.jsonl, eval.json       metrics during training; held-out acceptance per domain
@@ -136,6 +137,9 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
         "answer_tokens": sum(s.n_answer for s in samples), "sampling": samp, "batch_size": cfg.batch_size,
         "anchors": cfg.anchors, "lr": cfg.lr}
     summary = train(target, tokenizer, samples, cfg, out, resume=opts.resume, meta=meta, on_step=on_step, log=say)
+    from ..models.draft_vocab import write_ranking
+
+    write_ranking(out, (s.ids[s.n_prompt :] for s in samples))  # the tokens the target answers with
     summary["generate_s"] = round(t_gen, 1)
     ship = out
     if opts.export:

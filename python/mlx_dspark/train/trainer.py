@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -231,6 +233,32 @@ def build_model(target, tokenizer, cfg: DistillConfig, out: Path) -> tuple[DSpar
     return model, hcfg, spec
 
 
+class StopRequest:
+    """SIGINT / SIGTERM during training: finish the step, save the resumable state, stop.
+    A second signal stops at once (the state of the last checkpoint stays)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+
 # ------------------------------------------------------------------------------------ train
 def target_inputs(target, tok: mx.array, lens: list[int], anc: np.ndarray, msk: np.ndarray, B: int, taps):
     """One teacher-forced target forward: its tapped rows [S, T, C] and its logits at the block
@@ -302,54 +330,58 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
     prog = Progress(total)
     tokens_seen, start_step, calib_t, skipped = 0, step, None, 0
     metrics: dict = {}
-    while step < total:
-        idx = batches.next()
-        tok, anc, lab, prv, msk = make_batch(samples, idx, cfg.anchors, B, rng)
-        tok_a = mx.array(tok)
-        hid, tlog = target_inputs(target, tok_a, [len(samples[i].ids) for i in idx], anc, msk, B, taps)
-        lr = lr_at(step, total, cfg.lr, cfg.warmup_ratio)
-        opt.learning_rate = lr
-        (loss, mets), grads = value_grad(model, hid, tok_a, mx.array(anc), mx.array(lab), mx.array(prv),
-                                         mx.array(msk), tlog)
-        if cfg.grad_clip and cfg.grad_clip > 0:
-            grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
-        else:
-            gnorm = mx.array(0.0)
-        mx.eval(loss, gnorm)
-        if not (math.isfinite(float(loss)) and math.isfinite(float(gnorm))):
-            skipped += 1  # a non-finite batch: no update (the step still counts), logged for diagnosis
-            if skipped <= 20:
-                history.append({"step": step + 1, "nonfinite_batch": [int(i) for i in idx]})
-        else:
-            opt.update(model, grads)
-        mx.eval(model.parameters(), opt.state, mets)
-        step += 1
-        tokens_seen += int(msk.sum())
-        if on_step is not None:
-            on_step(step)
-        if step % cfg.log_every == 0 or step == total or step == start_step + 1:
-            metrics = {"loss": float(loss), "lr": lr, "gnorm": float(gnorm), "skipped": skipped,
-                       **{k: (v.tolist() if v.ndim else float(v)) for k, v in mets.items()}}
-            history.append({"step": step, **{k: (round(v, 5) if isinstance(v, float) else
-                                                 [round(x, 4) for x in v] if isinstance(v, list) else v)
-                                             for k, v in metrics.items()}})
-        prog.update(step, metrics, tokens_seen, start_step, force=step == total)
-        # Fit the step count to a time budget once the speed is known (kernels are warm by then).
-        if cfg.train_seconds and step == start_step + 5:
-            calib_t = time.perf_counter()
-        if cfg.train_seconds and calib_t and step == start_step + 25 and not resume:
-            dt = (time.perf_counter() - calib_t) / 20
-            left = cfg.train_seconds - (time.perf_counter() - t_start)
-            new_total = min(total, step + max(int(left / dt), 0))
-            if new_total != total:
-                say(f"\ndistill: {dt * 1000:.0f} ms/step: {new_total} steps fit in --train-seconds "
-                    f"{cfg.train_seconds:.0f}")
-                total = new_total
-                prog.total = total
-        if cfg.save_every and step % cfg.save_every == 0 and step < total:
-            checkpoint()
+    with StopRequest() as stop:
+        while step < total and not stop.requested:
+            idx = batches.next()
+            tok, anc, lab, prv, msk = make_batch(samples, idx, cfg.anchors, B, rng)
+            tok_a = mx.array(tok)
+            hid, tlog = target_inputs(target, tok_a, [len(samples[i].ids) for i in idx], anc, msk, B, taps)
+            lr = lr_at(step, total, cfg.lr, cfg.warmup_ratio)
+            opt.learning_rate = lr
+            (loss, mets), grads = value_grad(model, hid, tok_a, mx.array(anc), mx.array(lab), mx.array(prv),
+                                             mx.array(msk), tlog)
+            if cfg.grad_clip and cfg.grad_clip > 0:
+                grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
+            else:
+                gnorm = mx.array(0.0)
+            mx.eval(loss, gnorm)
+            if not (math.isfinite(float(loss)) and math.isfinite(float(gnorm))):
+                skipped += 1  # a non-finite batch: no update (the step still counts), logged for diagnosis
+                if skipped <= 20:
+                    history.append({"step": step + 1, "nonfinite_batch": [int(i) for i in idx]})
+            else:
+                opt.update(model, grads)
+            mx.eval(model.parameters(), opt.state, mets)
+            step += 1
+            tokens_seen += int(msk.sum())
+            if on_step is not None:
+                on_step(step)
+            if step % cfg.log_every == 0 or step == total or step == start_step + 1:
+                metrics = {"loss": float(loss), "lr": lr, "gnorm": float(gnorm), "skipped": skipped,
+                           **{k: (v.tolist() if v.ndim else float(v)) for k, v in mets.items()}}
+                history.append({"step": step, **{k: (round(v, 5) if isinstance(v, float) else
+                                                     [round(x, 4) for x in v] if isinstance(v, list) else v)
+                                                 for k, v in metrics.items()}})
+            prog.update(step, metrics, tokens_seen, start_step, force=step == total)
+            # Fit the step count to a time budget once the speed is known (kernels are warm by then).
+            if cfg.train_seconds and step == start_step + 5:
+                calib_t = time.perf_counter()
+            if cfg.train_seconds and calib_t and step == start_step + 25 and not resume:
+                dt = (time.perf_counter() - calib_t) / 20
+                left = cfg.train_seconds - (time.perf_counter() - t_start)
+                new_total = min(total, step + max(int(left / dt), 0))
+                if new_total != total:
+                    say(f"\ndistill: {dt * 1000:.0f} ms/step: {new_total} steps fit in --train-seconds "
+                        f"{cfg.train_seconds:.0f}")
+                    total = new_total
+                    prog.total = total
+            if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                checkpoint()
     prog.close()
     checkpoint()
+    if stop.requested and step < total:
+        raise UserError(f"stopped at step {step}/{total}; the state is saved in {out}: run the same "
+                        "command with --resume to continue")
     wall = time.perf_counter() - t_start
     summary = {"steps": step, "train_s": round(wall + elapsed_before, 1), "tokens": tokens_seen,
                "final": metrics, "history_tail": history[-5:]}
