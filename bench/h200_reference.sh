@@ -21,6 +21,8 @@
 #             tokens remain), in place, so the resumed run read the same sample indices;
 #   call 5    `train export` (LIMIT=440): resumed, steps 2612-4460 on the cut answers, exported;
 #   call 6    `bench` with SPEED_PROMPTS=2.
+#   call 7-9  (after the fix, on a fresh machine) the 3 chunks, then `setup data` with GEN_SECONDS=60
+#             ANSWERS=1: answers end at their end-of-turn token; ~14k useful tok/s after a 41 s first batch.
 # First session (the previous drafter): 1102 answers (252k tokens) from mlx-lm's BatchGenerator
 # at 1.7k tok/s, 700 steps x 32 sequences x 64 blocks.
 #

@@ -65,6 +65,10 @@ def test_quantized_at_load_and_as_stored():
     assert not hasattr(d4.model.confidence_head.proj, "scales")  # decides truncation: kept exact
     # DeepSpec's embed / lm_head copies equal the target's (tied) embedding: bound, not stored twice
     assert "embed_tokens" not in d4.model and "lm_head" not in d4.model and d4.bound == ["embed_tokens", "lm_head"]
+    # Own copies (not the target's: the crafted perm drafter's zero lm_head) are quantized, and the
+    # drafter computes with the quantized modules, not the float ones they replaced.
+    own = load_drafter(str(ws["perm_dspark"]), target(ws["target_perm"])[0], bits=4)
+    assert "lm_head" in own.model and own._head is own.model.lm_head and own._head.bits == 4
 
 
 def _refused(path, tgt, match):
