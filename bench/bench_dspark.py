@@ -87,6 +87,7 @@ def main() -> int:
     ap.add_argument("--drafter", help="default: the registered DSpark drafter of the target")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--bits", default="auto", help="drafter bits: 4, 8, 16 or auto (16 on CPU, 4 on a GPU)")
+    ap.add_argument("--draft-vocab", default="auto", help="auto, full or a token count (models/draft_vocab.py)")
     ap.add_argument("--eval-dir", default=str(EVAL_DIR))
     ap.add_argument("--domains", nargs="+", default=["humaneval", "mbpp", "mt-bench", "math500", "swe-bench"])
     ap.add_argument("--samples", type=int, default=20, help="prompts per domain for acceptance")
@@ -109,7 +110,7 @@ def main() -> int:
         model = str(demo_model_path())
     bits = None if args.bits == "auto" else int(args.bits)
     target, tok = load_target(model, dtype=args.dtype)
-    drafter = resolve_drafter(target, mode="dspark", drafter=args.drafter, bits=bits)
+    drafter = resolve_drafter(target, mode="dspark", drafter=args.drafter, bits=bits, draft_vocab=args.draft_vocab)
     info = drafter.describe()
     lines = [f"## DSpark vs greedy: {Path(model).name} ({args.dtype or 'default dtype'}), {bm.device_stamp()}",
              f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}", "",
