@@ -223,7 +223,6 @@ def bench_wide_gemm(backend: str, reps: int, layers: int, T: int, dtype, shape: 
     emit(f"| dequantize-once + dense GEMM ({cfg['compute']}) | {td * 1e3:.2f} | {flops / td / 1e9:.0f} | {ts / td:.2f}x |")
     emit(f"\nOutput difference (dense vs stock, after {layers} layers): max |diff| / max |out| = {rel:.2e}; "
          f"{100 * frac:.1f}% of elements differ. Policy here: {pol}\n")
-    del model
 
 
 def bench_projections(reps: int, dtype, shape: dict, rows_list, label: str):

@@ -123,6 +123,7 @@ class DrafterProposer(Proposer):
                 return self._choose(row, sampling, hist)
             return self._choose(row, sampling, hist + [int(t.item()) for t in drafted])
 
+        choose.argmax = lazy  # a plain argmax: the drafter may pick it within its draft vocabulary
         toks, qs, conf = d.sample(hidden[:k], history[-1], choose, self.threshold)
         outs = [mx.stack(toks)] + ([conf] if conf is not None else [])
         mx.eval(outs)

@@ -70,19 +70,23 @@ class BlockDrafter:
 
     def restrict_vocab(self, ids) -> None:
         """Draft only from these token ids (models/draft_vocab.py): logits() then returns [n, N]
-        over the subset, and sample() hands the chooser full rows, -inf outside it."""
+        over the subset, and sample() chooses through choose_in_vocab()."""
         from .draft_vocab import row_subset
 
         self.vocab_ids = mx.array(sorted({int(t) for t in ids}), dtype=mx.int32)
         self._head = row_subset(self._head, self.vocab_ids)
 
-    def full_row(self, z: mx.array) -> mx.array:
-        """A logits row over the draft vocabulary -> over the whole vocabulary."""
+    def choose_in_vocab(self, z: mx.array, choose: Chooser, drafted: list):
+        """choose() on a logits row over the draft vocabulary. A plain argmax (choose.argmax) is
+        taken within the subset and mapped to its token id; any other chooser gets the row over the
+        whole vocabulary, -inf outside the subset (so q is 0 there)."""
         if self.vocab_ids is None:
-            return z
+            return choose(z, drafted)
+        if getattr(choose, "argmax", False):
+            return self.vocab_ids[mx.argmax(z, axis=-1)], None
         from .draft_vocab import expand
 
-        return expand(z, self.vocab_ids, self.spec.vocab_size)
+        return choose(expand(z, self.vocab_ids, self.spec.vocab_size), drafted)
 
     def block_hidden(self, anchor: int, rows: mx.array | None, state: list[ContextKV]) -> mx.array:
         """Final-normed hidden states of the draft slots [block_drafts, H] (one backbone pass)."""
@@ -97,7 +101,7 @@ class BlockDrafter:
         U = self.logits(hidden)
         toks, qs = [], []
         for j in range(U.shape[0]):
-            t, q = choose(self.full_row(U[j]), toks)
+            t, q = self.choose_in_vocab(U[j], choose, toks)
             toks.append(t)
             qs.append(q)
         return toks, qs, None

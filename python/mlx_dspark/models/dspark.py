@@ -152,7 +152,7 @@ class DSparkDrafter(BlockDrafter):
         toks, qs, prevs = [], [], []
         for j in range(U.shape[0]):
             z = U[j] + self.markov_bias(prev).astype(U.dtype)
-            t, q = choose(self.full_row(z), toks)
+            t, q = self.choose_in_vocab(z, choose, toks)
             prevs.append(prev)
             toks.append(t)
             qs.append(q)
