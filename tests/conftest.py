@@ -33,3 +33,15 @@ def model_dir(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The built native extension (mlx_dspark._ext); a test that needs it fails when it is missing."""
+    from mlx_dspark import _native
+
+    mod = _native.ext(warn=False)
+    if mod is None:
+        pytest.fail(f"mlx_dspark._ext did not load: {_native.native_status()['reason']}\n"
+                    "build it: pip install --no-build-isolation -e .  (or pip install .)")
+    return mod

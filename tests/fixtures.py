@@ -130,7 +130,6 @@ def write_model(path: Path, family: str = "qwen3", *, layers: int = 4, hidden: i
     cfg = _config(family, vocab, layers, hidden, heads, kv_heads, intermediate, tie, eos)
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     rng = np.random.default_rng(seed)
-    hd = hidden // heads
 
     def w(*shape, std=0.02 * scale * 10):
         return (rng.standard_normal(shape) * std / np.sqrt(shape[-1] / 8)).astype(np.float32)
@@ -139,18 +138,31 @@ def write_model(path: Path, family: str = "qwen3", *, layers: int = 4, hidden: i
     if not tie:
         t["lm_head.weight"] = w(vocab, hidden)
     for i in range(layers):
-        p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = w(heads * hd, hidden)
-        t[p + "self_attn.k_proj.weight"] = w(kv_heads * hd, hidden)
-        t[p + "self_attn.v_proj.weight"] = w(kv_heads * hd, hidden)
-        t[p + "self_attn.o_proj.weight"] = w(hidden, heads * hd)
-        t[p + "mlp.gate_proj.weight"] = w(intermediate, hidden)
-        t[p + "mlp.up_proj.weight"] = w(intermediate, hidden)
-        t[p + "mlp.down_proj.weight"] = w(hidden, intermediate)
-        t[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
-        t[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
-        if family == "qwen3":
-            t[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float32)
-            t[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float32)
+        add_layer_tensors(t, i, family, w, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate)
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def add_layer_tensors(t: dict, i: int, family: str, w, *, hidden: int, heads: int, kv_heads: int,
+                      intermediate: int, std: dict | None = None) -> None:
+    """HF llama / qwen3 decoder layer i into t; w(*shape) draws a matrix (w(*shape, std=...) for
+    the projections named in `std`: q k v o gate up down), always in the same order."""
+    hd = hidden // heads
+    std = std or {}
+
+    def m(name, *shape):
+        return w(*shape, std=std[name]) if name in std else w(*shape)
+
+    p = f"model.layers.{i}."
+    t[p + "self_attn.q_proj.weight"] = m("q", heads * hd, hidden)
+    t[p + "self_attn.k_proj.weight"] = m("k", kv_heads * hd, hidden)
+    t[p + "self_attn.v_proj.weight"] = m("v", kv_heads * hd, hidden)
+    t[p + "self_attn.o_proj.weight"] = m("o", hidden, heads * hd)
+    t[p + "mlp.gate_proj.weight"] = m("gate", intermediate, hidden)
+    t[p + "mlp.up_proj.weight"] = m("up", intermediate, hidden)
+    t[p + "mlp.down_proj.weight"] = m("down", hidden, intermediate)
+    t[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
+    t[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
+    if family == "qwen3":
+        t[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float32)
+        t[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float32)

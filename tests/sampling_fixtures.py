@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fixtures import add_layer_tensors
+
 VOCAB = 16
 
 
@@ -62,20 +64,10 @@ def write_model16(path: Path, family: str = "llama", *, seed: int = 0, layers: i
          "model.norm.weight": np.ones(hidden, np.float32),
          "lm_head.weight": w(VOCAB, hidden, std=logit_std / np.sqrt(hidden))}
     s = 1.0 / np.sqrt(hidden)
+    std = {"q": 3 * s, "k": 3 * s, "v": 2 * s, "o": 2 * s, "gate": 2 * s, "up": 2 * s, "down": 2 / np.sqrt(intermediate)}
     for i in range(layers):
-        p = f"model.layers.{i}."
-        t[p + "self_attn.q_proj.weight"] = w(heads * hd, hidden, std=3 * s)
-        t[p + "self_attn.k_proj.weight"] = w(kv_heads * hd, hidden, std=3 * s)
-        t[p + "self_attn.v_proj.weight"] = w(kv_heads * hd, hidden, std=2 * s)
-        t[p + "self_attn.o_proj.weight"] = w(hidden, heads * hd, std=2 * s)
-        t[p + "mlp.gate_proj.weight"] = w(intermediate, hidden, std=2 * s)
-        t[p + "mlp.up_proj.weight"] = w(intermediate, hidden, std=2 * s)
-        t[p + "mlp.down_proj.weight"] = w(hidden, intermediate, std=2 / np.sqrt(intermediate))
-        t[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
-        t[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
-        if family == "qwen3":
-            t[p + "self_attn.q_norm.weight"] = np.ones(hd, np.float32)
-            t[p + "self_attn.k_norm.weight"] = np.ones(hd, np.float32)
+        add_layer_tensors(t, i, family, w, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
+                          std=std)
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 

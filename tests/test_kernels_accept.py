@@ -22,14 +22,6 @@ SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
 POISON = -77
 
 
-@pytest.fixture(scope="module")
-def ext():
-    mod = _native.ext(warn=False)
-    if mod is None:
-        pytest.fail(f"the native extension is not loaded: {_native.native_status()['reason']} "
-                    "(build it: pip install --no-build-isolation -e .)")
-    return mod
-
 
 def poison(*shapes):
     """Leave freed int32 buffers full of POISON in MLX's cache, sized like the outputs to come."""

@@ -16,14 +16,6 @@ from mlx_dspark import _native, kernels
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    mod = _native.ext(warn=False)
-    if mod is None:
-        pytest.fail(f"mlx_dspark._ext did not load: {_native.native_status()['reason']}\n"
-                    "build it: pip install --no-build-isolation -e .  (or pip install .)")
-    return mod
-
 
 def source_hash(with_metal: bool) -> str:
     """What CMakeLists.txt computes: sha256 over 'relpath:sha256\\n' of the consumed sources."""
