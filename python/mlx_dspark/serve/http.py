@@ -366,11 +366,16 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
     def _wait(self, job, on_text, on_idle=None):
         """Pump a Job's events until it ends; returns ("done", outcome) or ("error", exc)."""
         held = None
+        checked = time.monotonic()
         while True:
             ev, held = (held, None) if held is not None else (job.next_event(POLL_S), None)
-            if ev is None:
+            # The client is looked at every POLL_S, also while events keep coming (a non-streaming
+            # answer gets text events every round and would otherwise never look).
+            if ev is None or time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
                 if self._client_gone():
                     self._gone(job)
+            if ev is None:
                 if on_idle is not None:
                     on_idle()
                 continue
