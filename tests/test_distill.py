@@ -205,6 +205,55 @@ def test_a_terminated_run_saves_its_state_and_resumes_to_the_same_weights(tiny, 
     _assert_same_trained_weights(tmp_path / "full", tmp_path / "cut")
 
 
+def test_init_from_starts_from_a_drafter_and_keeps_its_architecture(tiny, tmp_path):
+    """--init-from: the compact export of one run is the exact starting point of the next (its
+    architecture taken from its config, no flags), which then trains on; a disagreeing
+    architecture flag and a checkpoint for another target are refused before any answer is made."""
+    from mlx_dspark.errors import UserError
+    from mlx_dspark.train.pipeline import run_distill
+
+    first = _small_run(tiny, tmp_path / "a", steps=30, save_every=0, prompts=2, answer_tokens=16,
+                       export=str(tmp_path / "a_x"))
+    run_distill(first, log=_quiet)
+
+    def warm(out, steps, **arch):
+        o = _small_run(tiny, out, steps=steps, save_every=0, prompts=2, answer_tokens=16)
+        o.train.layers, o.train.markov_rank = None, None  # nothing said: the checkpoint's
+        o.train.init_from = str(tmp_path / "a_x")
+        for k, v in arch.items():
+            setattr(o.train, k, v)
+        return o
+
+    run_distill(warm(tmp_path / "b", 0), log=_quiet)
+    cfg_a = json.loads((tmp_path / "a" / "config.json").read_text())
+    cfg_b = json.loads((tmp_path / "b" / "config.json").read_text())
+    for k in ("num_hidden_layers", "markov_rank", "block_size", "target_layer_ids", "mask_token_id"):
+        assert cfg_b[k] == cfg_a[k], k
+    assert cfg_b["mlx_dspark_distill"]["init_from"] == str(tmp_path / "a_x")
+    wa, wb = mx.load(str(tmp_path / "a" / "model.safetensors")), mx.load(str(tmp_path / "b" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:  # bf16 -> float32 -> bf16 is exact
+        assert mx.array_equal(wa[k], wb[k]).item(), k
+
+    # Trained further, it starts where the first run ended, not where a random init starts.
+    run_distill(warm(tmp_path / "c", 5), log=_quiet)
+    first_loss = [h["loss"] for h in map(json.loads, (tmp_path / "a" / "train_log.jsonl").read_text().splitlines())
+                  if "loss" in h]
+    warm_loss = [h["loss"] for h in map(json.loads, (tmp_path / "c" / "train_log.jsonl").read_text().splitlines())
+                 if "loss" in h]
+    # (nearer the first run's last loss than its first: a random init would start at the first)
+    assert warm_loss[0] < first_loss[0] - 0.5 * (first_loss[0] - first_loss[-1]), (first_loss, warm_loss)
+
+    with pytest.raises(UserError, match="--layers 2 disagrees with --init-from"):
+        run_distill(warm(tmp_path / "d", 1, layers=2), log=_quiet)
+    assert not (tmp_path / "d" / "samples.jsonl").exists()  # refused before generating
+    other = write_model(tmp_path / "other", "qwen3", **dict(TINY, hidden=32, heads=2, kv_heads=1))
+    o = warm(tmp_path / "e", 1)
+    o.model = str(other)
+    with pytest.raises(UserError, match="hidden size"):
+        run_distill(o, log=_quiet)
+
+
 def test_bad_input_gets_a_clear_error(tiny, tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -262,6 +311,119 @@ def test_training_forward_is_the_inference_forward(tiny, tmp_path):
         for a, p in enumerate(anchors[s]):
             ref = d.block_hidden(int(ids[s, p]), taps[s, :p] if p else None, d.new_state())
             assert float(mx.abs(ref - hb[s, a]).max()) < 1e-4 * (1 + float(mx.abs(ref).max()))
+
+
+def test_training_on_the_draft_vocabulary_is_the_loss_of_drafting_from_it(tiny, tmp_path):
+    """--train-vocab: over every token it is the full loss; over a subset S it is the loss of the
+    drafter that drafts from S (q = 0 outside, as at inference): L1 against the target's full
+    softmax, no CE for labels outside S, and no gradient into Markov rows outside S."""
+    from mlx.utils import tree_flatten
+
+    from mlx_dspark.models.loading import load_target
+    from mlx_dspark.train import checkpoint as ck
+    from mlx_dspark.train.losses import LossWeights, TrainVocab, block_loss
+    from mlx_dspark.train.trainer import DistillConfig, build_model
+
+    target, tok = load_target(str(tiny))
+    V = target.vocab_size
+    model, _, _ = build_model(target, tok, DistillConfig(layers=1, block_size=4, markov_rank=8, taps=[0]), tmp_path)
+    ck.init_weights(model, seed=5, std=0.3)
+    rng = np.random.default_rng(1)
+    N, B, H = 6, 4, target.hidden_size
+    hidden = mx.array(rng.normal(size=(N, B, H)).astype(np.float32))
+    prev = mx.array(rng.integers(0, V, size=(N, B)).astype(np.int32))
+    labels = mx.array(rng.integers(0, V, size=(N, B)).astype(np.int32))
+    mask = mx.array(np.cumprod(rng.random((N, B)) < 0.9, axis=1).astype(np.float32))
+    tlog = mx.array(rng.normal(size=(N, B, V)).astype(np.float32) * 3)
+    w = LossWeights()
+
+    every = TrainVocab.of(range(V), V)
+    full_loss, full_m = block_loss(model, hidden, prev, labels, mask, tlog, w)
+    all_loss, all_m = block_loss(model, hidden, prev, labels, mask, every.target_terms(tlog), w, vocab=every)
+    assert abs(float(full_loss) - float(all_loss)) < 1e-4 * abs(float(full_loss))
+    for k in ("ce", "tv", "conf", "tau", "top1"):
+        assert abs(float(full_m[k]) - float(all_m[k])) < 1e-4 * (1 + abs(float(full_m[k]))), k
+
+    keep = sorted(rng.choice(V, size=V // 3, replace=False).tolist())
+    sub = TrainVocab.of(keep, V)
+    loss, m = block_loss(model, hidden, prev, labels, mask, sub.target_terms(tlog), w, vocab=sub)
+    # The same loss from full-vocabulary tensors, the draft restricted by -inf outside S.
+    from mlx_dspark.train.losses import draft_logits
+
+    z = draft_logits(model, hidden, prev, None)
+    outside = np.ones(V, bool)
+    outside[keep] = False
+    z = mx.where(mx.array(outside), -mx.inf, z)
+    q = mx.softmax(z, axis=-1)
+    l1 = mx.abs(q - mx.softmax(tlog, axis=-1)).sum(-1)
+    pos_w = mx.exp(-mx.arange(B, dtype=mx.float32) / w.gamma)
+    wt = mask * pos_w
+    W = wt.sum()
+    lab_in = mx.array(~outside)[labels]
+    ce = -mx.where(lab_in, mx.log(mx.take_along_axis(q, labels[..., None], -1)[..., 0]), 0.0)
+    assert abs(float((wt * l1).sum() / W) - float(m["tv"])) < 1e-4
+    assert abs(float((wt * ce).sum() / W) - float(m["ce"])) < 1e-3
+    assert 0 < float(m["tv"]) < 2
+
+    def f(mod):
+        return block_loss(mod, hidden, prev, labels, mask, sub.target_terms(tlog), w, vocab=sub)[0]
+
+    import mlx.nn as nn
+
+    g = dict(tree_flatten(nn.value_and_grad(model, f)(model)[1]))["markov_head.markov_w2.weight"]
+    rows = np.abs(np.array(g)).sum(axis=1)
+    assert rows[outside].max() == 0 and rows[keep].min() > 0
+
+
+def test_distill_trains_on_the_draft_vocabulary(tiny, tmp_path):
+    """End to end: --train-vocab auto trains (its L1 falls), the resulting drafter loads and
+    drafts from the same subset; a bad value is refused. The target is a peaked one, as language
+    models are (a near-uniform random one puts most of its mass outside any answer-token subset)."""
+    from mlx_dspark.models.drafters import load_drafter
+    from mlx_dspark.models.loading import load_target
+    from mlx_dspark.train.pipeline import run_distill
+
+    peaked = write_model(tmp_path / "peaked", "qwen3", **dict(TINY, scale=6.0))
+    said = []
+    o = _small_run(peaked, tmp_path / "v", steps=100, save_every=0, prompts=3, answer_tokens=24,
+                   export=str(tmp_path / "v_x"))
+    o.train.train_vocab, o.train.anchors, o.train.batch_size = "auto", 16, 4
+    run_distill(o, log=said.append)
+    target, _ = load_target(str(peaked))
+    d = load_drafter(str(tmp_path / "v_x"), target, bits=16, draft_vocab="auto")
+    k = int(d.vocab_ids.size)
+    assert 0 < k < target.vocab_size
+    assert any(f"training on the {k} answer tokens" in s for s in said), said  # the subset it drafts from
+    hist = [h for h in map(json.loads, (tmp_path / "v" / "train_log.jsonl").read_text().splitlines()) if "loss" in h]
+    late = np.mean([h["tv"] for h in hist[-3:]])  # single batches are noisy
+    assert late < 0.8 * hist[0]["tv"], [h["tv"] for h in hist]
+    assert _main(["--model", str(tiny), "--out", str(tmp_path / "bad"), "--train-vocab", "some"]) == 2
+
+
+def test_make_prompts_writes_prompt_files_distill_reads(tmp_path):
+    """bench/make_prompts.py (more training prompts for the reference drafter): valid prompt files,
+    the same for the same seed, none of them an eval prompt, code prompts from real signatures."""
+    import importlib.util
+
+    from mlx_dspark.train.data import read_prompt_file
+
+    spec = importlib.util.spec_from_file_location("make_prompts", Path(__file__).parents[1] / "bench/make_prompts.py")
+    mp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mp)
+    evald = tmp_path / "eval"
+    evald.mkdir()
+    first = mp.chat_prompts(1, __import__("random").Random(1))[0]  # what seed 0's chat file starts with
+    (evald / "x.jsonl").write_text(json.dumps({"turns": [first]}) + "\n")
+    for out in ("a", "b"):
+        assert mp.main(["--out", str(tmp_path / out), "--code", "120", "--chat", "80", "--eval-dir", str(evald)]) == 0
+    code = read_prompt_file(tmp_path / "a" / "code-stdlib.jsonl")
+    chat = read_prompt_file(tmp_path / "a" / "chat-topics.jsonl")
+    assert len(code) == 120 and len(chat) == 79  # the one equal to an "eval" prompt is left out
+    assert first not in {p.text for p in chat}
+    assert (tmp_path / "a" / "code-stdlib.jsonl").read_text() == (tmp_path / "b" / "code-stdlib.jsonl").read_text()
+    stubs = [p.text for p in code if "```python" in p.text]
+    assert stubs and all("def " in t and '"""' in t for t in stubs)
+    assert len({p.text for p in code}) == len(code)
 
 
 def test_loss_masks_and_schedule():

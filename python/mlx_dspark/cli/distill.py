@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="target: local folder, .gguf file or HF repo id (default: the demo model)")
     p.add_argument("--out", required=True, help="output folder: the drafter checkpoint (DeepSpec layout), "
                                                 "its training state and data")
-    p.add_argument("--kind", choices=["dspark", "dflash"], default="dspark")
+    p.add_argument("--kind", choices=["dspark", "dflash"], help="default: dspark (or --init-from's)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="target precision (default: float32 on CPU, bfloat16 on a GPU)")
     d = p.add_argument_group("data")
@@ -44,8 +44,11 @@ def add_parser(sub) -> None:
     d.add_argument("--top-p", type=float, help="(default: generation_config, else 0.8)")
     d.add_argument("--top-k", type=int, help="(default: generation_config, else 20)")
     a = p.add_argument_group("drafter")
-    a.add_argument("--layers", type=positive_int, default=2, help="drafter depth (default 2)")
-    a.add_argument("--block-size", type=positive_int, default=7, help="draft tokens per round (default 7)")
+    a.add_argument("--init-from", metavar="DRAFTER", help="start from this drafter of the same target (a folder "
+                                                          "or repo id in the DeepSpec layout, e.g. an earlier "
+                                                          "distill): its architecture, its weights trained further")
+    a.add_argument("--layers", type=positive_int, help="drafter depth (default 2)")
+    a.add_argument("--block-size", type=positive_int, help="draft tokens per round (default 7)")
     a.add_argument("--taps", type=_taps, help="target layers to tap, e.g. 1,8,14,20,27 (default: 5 spread over "
                                               "the target's depth, never its last layer)")
     a.add_argument("--markov-rank", type=_nonneg_int, help="DSpark Markov head rank (default: 256 for targets of "
@@ -54,6 +57,10 @@ def add_parser(sub) -> None:
     a.add_argument("--mask-token-id", type=_nonneg_int, help="filler token of the block (default: an unused special token)")
     t = p.add_argument_group("training")
     t.add_argument("--steps", type=_nonneg_int, default=2000)
+    t.add_argument("--train-vocab", default="full", metavar="{full,auto,N}",
+                   help="train the draft head over the draft vocabulary only (the answer tokens covering 99.5%% "
+                        "of them, or the N most frequent), as --draft-vocab drafts: every vocabulary-wide "
+                        "tensor of the loss shrinks to it (default: full)")
     t.add_argument("--train-seconds", type=float, help="fewer steps if they would not fit in this time")
     t.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default 8)")
     t.add_argument("--anchors", type=positive_int, default=64, help="blocks per sequence per step (default 64)")
@@ -85,8 +92,11 @@ def options_from_args(args):
         raise UserError(f"--lr must be positive, got {args.lr}")
     if not 0 <= args.warmup_ratio < 1:
         raise UserError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
-    if args.block_size < 2:
+    if args.block_size is not None and args.block_size < 2:
         raise UserError(f"--block-size must be at least 2, got {args.block_size}")
+    from ..models.draft_vocab import parse_choice
+
+    train_vocab = parse_choice(args.train_vocab, "--train-vocab")
     gen = GenConfig(max_new_tokens=args.answer_tokens, batch_size=args.gen_batch_size,
                     max_prompt_tokens=args.max_prompt_tokens, time_limit=args.gen_seconds,
                     answers_per_prompt=args.answers_per_prompt)
@@ -95,7 +105,8 @@ def options_from_args(args):
                         mask_token_id=args.mask_token_id, steps=args.steps, train_seconds=args.train_seconds,
                         batch_size=args.batch_size, anchors=args.anchors, lr=args.lr, warmup_ratio=args.warmup_ratio,
                         weight_decay=args.weight_decay, grad_clip=args.grad_clip, save_every=args.save_every,
-                        seed=args.seed, gen=gen)
+                        seed=args.seed, gen=gen, init_from=args.init_from,
+                        train_vocab=train_vocab)
     return DistillOptions(model=args.model, out=args.out, prompts=list(args.prompts),
                           builtin_prompts=not args.no_builtin_prompts, eval_prompts=list(args.eval_prompts),
                           eval_samples=args.eval_samples, eval_max_tokens=args.eval_max_tokens,

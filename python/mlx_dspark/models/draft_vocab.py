@@ -32,8 +32,8 @@ FILE = "draft_vocab.json"
 AUTO_COVERAGE = 0.995
 
 
-def parse_choice(value) -> int | str:
-    """--draft-vocab: 'auto', 'full' (= 0) or a positive count."""
+def parse_choice(value, flag: str = "--draft-vocab") -> int | str:
+    """--draft-vocab (or distill's --train-vocab): 'auto', 'full' (= 0) or a positive count."""
     if value is None:
         return "auto"
     if isinstance(value, int):
@@ -44,21 +44,26 @@ def parse_choice(value) -> int | str:
     try:
         n = int(v)
     except ValueError:
-        raise UserError(f"--draft-vocab must be auto, full or a token count, got {value!r}") from None
+        raise UserError(f"{flag} must be auto, full or a token count, got {value!r}") from None
     if n < 0:
-        raise UserError(f"--draft-vocab must be auto, full or a positive token count, got {n}")
+        raise UserError(f"{flag} must be auto, full or a positive token count, got {n}")
     return n
 
 
-def write_ranking(folder: Path, token_lists: Iterable[Iterable[int]]) -> Path:
-    """Count the tokens and write the ranking into `folder`."""
+def ranking(token_lists: Iterable[Iterable[int]]) -> tuple[list[int], list[int]]:
+    """(token ids, their counts), most frequent first."""
     counts: Counter = Counter()
     for toks in token_lists:
         counts.update(int(t) for t in toks)
     ranked = counts.most_common()
+    return [t for t, _ in ranked], [c for _, c in ranked]
+
+
+def write_ranking(folder: Path, token_lists: Iterable[Iterable[int]]) -> Path:
+    """Count the tokens and write the ranking into `folder`."""
+    ids, counts = ranking(token_lists)
     path = Path(folder) / FILE
-    path.write_text(json.dumps({"ids": [t for t, _ in ranked], "counts": [c for _, c in ranked],
-                                "tokens": sum(counts.values())}))
+    path.write_text(json.dumps({"ids": ids, "counts": counts, "tokens": sum(counts)}))
     return path
 
 
@@ -90,6 +95,15 @@ def select(folder: Path, choice, vocab_size: int) -> list[int] | None:
     ids, counts = ranking
     if any(not 0 <= t < vocab_size for t in ids):
         raise UserError(f"{Path(folder) / FILE} holds token ids outside the target's vocabulary ({vocab_size})")
+    return prefix(ids, counts, choice, vocab_size)
+
+
+def prefix(ids: list[int], counts: list[int], choice, vocab_size: int) -> list[int] | None:
+    """The sorted ids of the ranking's prefix that `choice` keeps (auto: AUTO_COVERAGE of the
+    counted tokens; N: the N most frequent), or None when that is the whole vocabulary."""
+    choice = parse_choice(choice)
+    if choice in ("full", 0):
+        return None
     if choice == "auto":
         total, acc, n = sum(counts), 0, 0
         for n, c in enumerate(counts, 1):
@@ -136,5 +150,5 @@ def expand(z: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
     return full
 
 
-__all__ = ["AUTO_COVERAGE", "FILE", "expand", "parse_choice", "read_ranking", "row_subset", "select",
+__all__ = ["AUTO_COVERAGE", "FILE", "expand", "parse_choice", "prefix", "ranking", "read_ranking", "row_subset", "select",
            "write_ranking"]

@@ -14,6 +14,12 @@ For block slot j (0-based; slot j predicts the token at anchor + j + 1) with val
 
 DSpark: (a_ce, a_tv, a_conf) = (0.1, 0.9, 1.0); DeepSpec DFlash: (1, 0, 0).
 
+With a training vocabulary (`distill --train-vocab`, the draft vocabulary of models/draft_vocab.py)
+the drafter is trained as it drafts with that subset S: z and p_d live on S only (p_d = 0
+outside), p_t is still the target's full softmax, so ||p_d - p_t||_1 = sum_S |p_d - p_t| +
+(1 - sum_S p_t), and a label outside S adds no CE (it cannot be drafted). Every V-wide tensor of
+the loss and its gradient becomes |S|-wide; only the target's log-normaliser reads all of V.
+
 Metrics (logged, not differentiated): accept@j = the masked mean of c*_j, and
 tau = 1 + sum_j prod_{i<=j} c*_i per block (the expected acceptance length, DeepSpec's
 `tau_probabilistic`).
@@ -39,36 +45,71 @@ class LossWeights:
         return cls(0.1, 0.9, 1.0, gamma) if kind == "dspark" else cls(1.0, 0.0, 0.0, gamma)
 
 
-def draft_logits(model, hidden: mx.array, prev: mx.array, softcap: float | None) -> mx.array:
-    """Markov-corrected draft logits z [..., V] of slot states hidden [..., H] (teacher-forced prev)."""
+def draft_logits(model, hidden: mx.array, prev: mx.array, softcap: float | None,
+                 vocab: mx.array | None = None) -> mx.array:
+    """Markov-corrected draft logits z [..., V] of slot states hidden [..., H] (teacher-forced prev);
+    with `vocab` (sorted token ids [K]) over those tokens only, z [..., K]."""
     w = model.lm_head.weight  # frozen, in the target's dtype (bf16 on a GPU: the big matmul runs in bf16)
-    u = model.lm_head(hidden.astype(w.dtype)).astype(mx.float32)
+    x = hidden.astype(w.dtype)
+    u = (model.lm_head(x) if vocab is None else x @ w[vocab].T).astype(mx.float32)
     if softcap:
         u = mx.tanh(u / softcap) * softcap
     markov = getattr(model, "markov_head", None)
     if markov is not None:
-        u = u + markov(prev).astype(u.dtype)
+        if vocab is None:
+            u = u + markov(prev).astype(u.dtype)
+        else:
+            u = u + (markov.markov_w1(prev) @ markov.markov_w2.weight[vocab].T).astype(u.dtype)
     return u
 
 
+@dataclass
+class TrainVocab:
+    """The training vocabulary: sorted token ids [K] and, per token id, its index in them (-1 outside)."""
+    ids: mx.array
+    index: mx.array
+
+    @classmethod
+    def of(cls, ids, vocab_size: int) -> "TrainVocab":
+        import numpy as np
+
+        ids = np.asarray(sorted(int(t) for t in ids), dtype=np.int32)
+        index = np.full(vocab_size, -1, dtype=np.int32)
+        index[ids] = np.arange(len(ids), dtype=np.int32)
+        return cls(mx.array(ids), mx.array(index))
+
+    def target_terms(self, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """Target logits [..., V] -> (their subset columns [..., K], their log-normaliser [...])."""
+        return logits[..., self.ids], mx.logsumexp(logits.astype(mx.float32), axis=-1)
+
+
 def block_loss(model, hidden: mx.array, prev: mx.array, labels: mx.array, mask: mx.array,
-               target_logits: mx.array, w: LossWeights, softcap: float | None = None):
+               target_logits, w: LossWeights, softcap: float | None = None, vocab: TrainVocab | None = None):
     """(loss, metrics) for slot states hidden [N, B, H] with labels/prev [N, B], mask [N, B] (0/1,
-    already cumulative), target logits [N, B, V] aligned to the slots."""
+    already cumulative), target logits [N, B, V] aligned to the slots; with `vocab`, the pair
+    `vocab.target_terms(...)` of them instead ([N, B, K] and [N, B])."""
     B = hidden.shape[1]
-    z = draft_logits(model, hidden, prev, softcap).astype(mx.float32)
+    z = draft_logits(model, hidden, prev, softcap, None if vocab is None else vocab.ids).astype(mx.float32)
     logp = z - mx.logsumexp(z, axis=-1, keepdims=True)
     pos_w = mx.exp(-mx.arange(B, dtype=mx.float32) / w.gamma)
     weight = mask.astype(mx.float32) * pos_w
     W = mx.maximum(weight.sum(), 1e-6)
-    ce = -mx.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    if vocab is None:
+        ce = -mx.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    else:  # a label outside the subset cannot be drafted: no CE term
+        at = vocab.index[labels]
+        ce = -mx.take_along_axis(logp, mx.maximum(at, 0)[..., None], axis=-1)[..., 0] * (at >= 0)
     loss = w.ce * (weight * ce).sum() / W
     metrics = {"ce": (weight * ce).sum() / W}
     need_tv = w.tv > 0 or w.conf > 0
     if need_tv:
-        t = target_logits.astype(mx.float32)
-        p_t = mx.softmax(t, axis=-1)
-        l1 = mx.abs(mx.exp(logp) - p_t).sum(axis=-1)  # [N, B]
+        if vocab is None:
+            p_t = mx.softmax(target_logits.astype(mx.float32), axis=-1)
+            l1 = mx.abs(mx.exp(logp) - p_t).sum(axis=-1)  # [N, B]
+        else:
+            t_sub, t_lse = target_logits
+            p_t = mx.exp(t_sub.astype(mx.float32) - t_lse[..., None])
+            l1 = mx.abs(mx.exp(logp) - p_t).sum(axis=-1) + mx.maximum(1.0 - p_t.sum(axis=-1), 0.0)
         tv = (weight * l1).sum() / W
         metrics["tv"] = tv
         if w.tv > 0:
@@ -91,7 +132,8 @@ def block_loss(model, hidden: mx.array, prev: mx.array, labels: mx.array, mask: 
             loss = loss + w.conf * conf
     # Greedy agreement with the labels (what greedy verification accepts when the label is the
     # target's argmax): a cheap proxy, logged only.
-    hit = (mx.argmax(z, axis=-1) == labels).astype(mx.float32) * mask.astype(mx.float32)
+    top = mx.argmax(z, axis=-1)
+    hit = ((top if vocab is None else vocab.ids[top]) == labels).astype(mx.float32) * mask.astype(mx.float32)
     metrics["top1"] = hit.sum() / mx.maximum(mask.astype(mx.float32).sum(), 1.0)
     return loss, metrics
 
@@ -114,4 +156,4 @@ def anchor_targets(tokens, n_prompt: int, length: int, anchors, B: int):
     return labels.reshape(A, B), prev.reshape(A, B), valid
 
 
-__all__ = ["LossWeights", "block_loss", "draft_logits", "anchor_targets"]
+__all__ = ["LossWeights", "TrainVocab", "block_loss", "draft_logits", "anchor_targets"]

@@ -23,7 +23,7 @@ from typing import Callable
 from ..errors import UserError
 from . import checkpoint as ck
 from . import data as D
-from .trainer import DistillConfig, train
+from .trainer import DistillConfig, resolve_arch, train
 
 # When the target ships no generation_config.json: DeepSpec's regeneration defaults for Qwen3
 # non-thinking answers (drafters-spec.md §5.1).
@@ -84,7 +84,7 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
 
     out = Path(opts.out).expanduser()
     cfg = opts.train
-    if cfg.kind not in ("dspark", "dflash"):
+    if cfg.kind not in (None, "dspark", "dflash"):
         raise UserError(f"--kind must be dspark or dflash, got {cfg.kind!r}")
     _check_out(out, opts.resume)
     # Cheap checks first: bad prompt files fail before the target is loaded.
@@ -98,6 +98,7 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
     t0 = time.perf_counter()
     target, tokenizer = load_target(model, dtype=opts.dtype)
     D.require_chat_template(tokenizer, f"target {model}")
+    resolve_arch(cfg, target)  # --init-from is checked before any answer is generated
     if cfg.taps:
         ck.check_taps(cfg.taps, target.num_layers)
     if eval_prompts:
@@ -136,6 +137,8 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
         ["<built-in>"] if opts.builtin_prompts else []), "samples": len(samples),
         "answer_tokens": sum(s.n_answer for s in samples), "sampling": samp, "batch_size": cfg.batch_size,
         "anchors": cfg.anchors, "lr": cfg.lr}
+    if cfg.init_from:
+        meta["init_from"] = str(cfg.init_from)
     summary = train(target, tokenizer, samples, cfg, out, resume=opts.resume, meta=meta, on_step=on_step, log=say)
     from ..models.draft_vocab import write_ranking
 

@@ -11,7 +11,8 @@ One step (drafters-spec.md §5.5, "online target"):
   6. AdamW (weight decay 0 by default), linear warmup then cosine decay to 0, grad-norm clip.
 
 Embed / lm_head are frozen copies of the target's; everything else trains from a random init
-(DeepSpec does the same). Checkpoints (DeepSpec layout) and the resumable state are written
+(DeepSpec does the same) or, with `init_from`, from an existing drafter checkpoint of the same
+target (a warm start: its architecture is taken from its config, its weights continue training). Checkpoints (DeepSpec layout) and the resumable state are written
 every `save_every` steps and at the end; `--resume` continues an interrupted run exactly where
 its last state left off (same data order, same anchors).
 """
@@ -32,20 +33,21 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..errors import UserError
 from ..models.dspark import DSparkModel
 from . import checkpoint as ck
 from . import data as D
 from .forward import block_hidden
-from .losses import LossWeights, anchor_targets, block_loss
+from .losses import LossWeights, TrainVocab, anchor_targets, block_loss
 
 
 @dataclass
 class DistillConfig:
-    kind: str = "dspark"  # dspark | dflash
-    layers: int = 2
-    block_size: int = 7
+    kind: str | None = None  # dspark | dflash; None: dspark, or the init checkpoint's
+    layers: int | None = None  # None: 2, or the init checkpoint's
+    block_size: int | None = None  # None: 7, or the init checkpoint's
     taps: list[int] | None = None  # None: default_taps(target layers, n_taps)
     n_taps: int = 5
     markov_rank: int | None = None  # None: 256 (DeepSpec) for targets of hidden >= 2048, else 64
@@ -64,12 +66,14 @@ class DistillConfig:
     seed: int = 0
     log_every: int = 10
     gen: D.GenConfig = field(default_factory=D.GenConfig)
+    init_from: str | None = None  # a drafter folder / repo id to start from (a warm start)
+    train_vocab: int | str = "full"  # full, auto or N: train on the draft vocabulary (losses.py)
 
     def arch(self) -> dict:
         """What must match for --resume."""
         return {k: getattr(self, k) for k in ("kind", "layers", "block_size", "taps", "markov_rank",
                                               "intermediate_size", "mask_token_id", "batch_size", "anchors",
-                                              "lr", "seed")}
+                                              "lr", "seed", "train_vocab")}
 
 
 # --------------------------------------------------------------------------------- progress
@@ -202,7 +206,69 @@ def make_batch(samples: list[D.Sample], idx: list[int], A: int, B: int, rng: np.
 
 
 # ------------------------------------------------------------------------------------- model
+# DistillConfig field -> how an existing DeepSpec-layout checkpoint says it.
+_INIT_ARCH = {
+    "layers": lambda c: int(c["num_hidden_layers"]),
+    "block_size": lambda c: int(c["block_size"]),
+    "taps": lambda c: [int(t) for t in c["target_layer_ids"]],
+    "markov_rank": lambda c: int(c.get("markov_rank") or 0),
+    "intermediate_size": lambda c: int(c["intermediate_size"]),
+    "mask_token_id": lambda c: int(c["mask_token_id"]),
+    "kind": lambda c: "dspark" if (c.get("markov_rank") or c.get("enable_confidence_head")) else "dflash",
+}
+_FLAG = {"layers": "--layers", "block_size": "--block-size", "taps": "--taps", "markov_rank": "--markov-rank",
+         "intermediate_size": "--intermediate-size", "mask_token_id": "--mask-token-id", "kind": "--kind"}
+
+
+def resolve_arch(cfg: DistillConfig, target) -> Path | None:
+    """Fill the architecture fields left None: from `cfg.init_from` (which must fit `target`; an
+    architecture flag given as well must agree), else the defaults. Returns the init checkpoint's
+    folder, or None. Idempotent."""
+    path = _init_arch(cfg, target) if cfg.init_from else None
+    cfg.kind = cfg.kind or "dspark"
+    cfg.layers = 2 if cfg.layers is None else cfg.layers
+    cfg.block_size = 7 if cfg.block_size is None else cfg.block_size
+    return path
+
+
+def _init_arch(cfg: DistillConfig, target) -> Path:
+    from ..models import checkpoints as mc
+
+    path = mc.resolve_checkpoint(cfg.init_from)
+    hcfg = mc.read_config(path)
+    spec = mc.build_spec(path, hcfg, mc.tensor_shapes(path), source=str(cfg.init_from))
+    if spec.packaging not in ("deepspec-dspark", "deepspec-dflash"):
+        raise UserError(f"--init-from {cfg.init_from}: a {spec.packaging} checkpoint cannot be trained further "
+                        "here (distill trains the DeepSpec layout: DSpark, or DFlash with --kind dflash)")
+    mc.check_target(spec, target)
+    for key, read in _INIT_ARCH.items():
+        have = read(hcfg)
+        mine = getattr(cfg, key)
+        if mine is not None and mine != have:
+            raise UserError(f"{_FLAG[key]} {mine} disagrees with --init-from {cfg.init_from}, whose {key} is {have}: "
+                            f"drop {_FLAG[key]} (a warm start keeps the checkpoint's architecture)")
+        setattr(cfg, key, have)
+    return path
+
+
+def load_init_weights(model: DSparkModel, path: Path) -> None:
+    """The trainable weights of the checkpoint at `path` into `model` (float32), strictly by name
+    and shape; its embed_tokens / lm_head copies, if any, are ignored (the target's are used)."""
+    want = {k: v.shape for k, v in tree_flatten(model.parameters()) if not k.startswith(("embed_tokens.", "lm_head."))}
+    got: dict[str, mx.array] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        got.update({k: v for k, v in mx.load(str(f)).items() if not k.startswith(("embed_tokens.", "lm_head."))})
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    bad = sorted(k for k in set(want) & set(got) if tuple(got[k].shape) != tuple(want[k]))
+    if missing or extra or bad:
+        raise UserError(f"--init-from {path}: its tensors do not match the drafter it describes "
+                        f"(missing {missing[:3]}, unexpected {extra[:3]}, other shapes {bad[:3]})")
+    model.load_weights([(k, v.astype(mx.float32)) for k, v in got.items()], strict=False)
+
+
 def build_model(target, tokenizer, cfg: DistillConfig, out: Path) -> tuple[DSparkModel, dict, object]:
+    init = resolve_arch(cfg, target)
     taps = ck.check_taps(cfg.taps, target.num_layers) if cfg.taps else ck.default_taps(target.num_layers, cfg.n_taps)
     cfg.taps = taps
     if cfg.block_size < 2:
@@ -221,6 +287,8 @@ def build_model(target, tokenizer, cfg: DistillConfig, out: Path) -> tuple[DSpar
     spec = ck.spec_from_config(hcfg, out)
     model = DSparkModel(spec)
     ck.init_weights(model, cfg.seed)
+    if init is not None:
+        load_init_weights(model, init)
     from ..models.drafters import target_dtype
 
     # Frozen copies in the target's compute dtype (bf16 on a GPU); trained weights in float32.
@@ -260,9 +328,11 @@ class StopRequest:
 
 
 # ------------------------------------------------------------------------------------ train
-def target_inputs(target, tok: mx.array, lens: list[int], anc: np.ndarray, msk: np.ndarray, B: int, taps):
+def target_inputs(target, tok: mx.array, lens: list[int], anc: np.ndarray, msk: np.ndarray, B: int, taps,
+                  vocab: TrainVocab | None = None):
     """One teacher-forced target forward: its tapped rows [S, T, C] and its logits at the block
-    slots' predecessor positions anchor + j [S, A*B, V] (drafters-spec.md §5.2).
+    slots' predecessor positions anchor + j [S, A*B, V] (drafters-spec.md §5.2); with `vocab`,
+    their subset columns [S, A*B, K] and log-normalisers [S, A*B] (no [S, A*B, V] gather).
 
     Padding rows and unsupervised slots are never attended to or counted, but their values
     still meet the masks as 0 * x; they are zeroed, so that a non-finite value there cannot turn
@@ -272,10 +342,24 @@ def target_inputs(target, tok: mx.array, lens: list[int], anc: np.ndarray, msk: 
     fwd = target.forward(tok, None, taps=taps)
     real = mx.array(np.arange(T)[None, :] < np.asarray(lens)[:, None])
     hid = mx.where(real[..., None], fwd.hidden, mx.zeros((), fwd.hidden.dtype))
-    pos = np.minimum(anc[:, :, None] + np.arange(B)[None, None, :], T - 1).reshape(S, A * B)
-    tlog = mx.take_along_axis(fwd.logits, mx.array(pos)[..., None], axis=1)
-    tlog = mx.where(mx.array(msk.reshape(S, A * B) > 0)[..., None], tlog, mx.zeros((), tlog.dtype))
-    return hid, tlog
+    pos = mx.array(np.minimum(anc[:, :, None] + np.arange(B)[None, None, :], T - 1).reshape(S, A * B))
+    ok = mx.array(msk.reshape(S, A * B) > 0)
+    if vocab is None:
+        tlog = mx.take_along_axis(fwd.logits, pos[..., None], axis=1)
+        return hid, mx.where(ok[..., None], tlog, mx.zeros((), tlog.dtype))
+    sub, lse = vocab.target_terms(fwd.logits)
+    sub = mx.take_along_axis(sub, pos[..., None], axis=1)
+    lse = mx.take_along_axis(lse, pos, axis=1)
+    return hid, (mx.where(ok[..., None], sub, mx.zeros((), sub.dtype)), mx.where(ok, lse, mx.zeros((), lse.dtype)))
+
+
+def train_vocab(samples: list[D.Sample], choice, vocab_size: int) -> TrainVocab | None:
+    """The training vocabulary: the draft vocabulary `choice` would keep of these answers' tokens."""
+    from ..models import draft_vocab as dv
+
+    ids, counts = dv.ranking(s.ids[s.n_prompt :] for s in samples)
+    keep = dv.prefix(ids, counts, choice, vocab_size)
+    return None if keep is None else TrainVocab.of(keep, vocab_size)
 
 
 def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: Path, *, resume: bool = False,
@@ -290,6 +374,10 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
     B = cfg.block_size
     weights = LossWeights.for_kind(cfg.kind, cfg.gamma)
     softcap = spec.softcap
+    vocab = train_vocab(samples, cfg.train_vocab, spec.vocab_size)
+    if vocab is not None:
+        say(f"distill: training on the {vocab.ids.size} answer tokens of the draft vocabulary "
+            f"(--train-vocab {cfg.train_vocab}) of {spec.vocab_size}")
     opt = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=cfg.weight_decay)
     batches = Batches(samples, cfg.batch_size, cfg.seed)
     rng = np.random.default_rng(cfg.seed + 17)
@@ -311,8 +399,9 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
     def loss_fn(m, taps_a, tok, anc, lab, prv, msk, tlog):
         S, A = anc.shape
         h = block_hidden(m, taps_a, tok, anc, B, spec.mask_token_id)
+        tl = tlog.reshape(S * A, B, -1) if vocab is None else (tlog[0].reshape(S * A, B, -1), tlog[1].reshape(S * A, B))
         return block_loss(m, h.reshape(S * A, B, -1), prv.reshape(S * A, B), lab.reshape(S * A, B),
-                          msk.reshape(S * A, B), tlog.reshape(S * A, B, -1), weights, softcap)
+                          msk.reshape(S * A, B), tl, weights, softcap, vocab)
 
     value_grad = nn.value_and_grad(model, loss_fn)
 
@@ -335,7 +424,7 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
             idx = batches.next()
             tok, anc, lab, prv, msk = make_batch(samples, idx, cfg.anchors, B, rng)
             tok_a = mx.array(tok)
-            hid, tlog = target_inputs(target, tok_a, [len(samples[i].ids) for i in idx], anc, msk, B, taps)
+            hid, tlog = target_inputs(target, tok_a, [len(samples[i].ids) for i in idx], anc, msk, B, taps, vocab)
             lr = lr_at(step, total, cfg.lr, cfg.warmup_ratio)
             opt.learning_rate = lr
             (loss, mets), grads = value_grad(model, hid, tok_a, mx.array(anc), mx.array(lab), mx.array(prv),
@@ -391,4 +480,4 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
     return summary
 
 
-__all__ = ["DistillConfig", "train", "build_model", "lr_at", "Progress", "make_batch", "Batches"]
+__all__ = ["DistillConfig", "train", "build_model", "resolve_arch", "lr_at", "Progress", "make_batch", "Batches"]
