@@ -19,7 +19,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from mlx_dspark import benchmark as bm  # noqa: E402
-from mlx_dspark.models.loading import load_target  # noqa: E402
 
 
 def main() -> int:
@@ -30,12 +29,7 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", help="append a markdown record here")
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from mlx_dspark.models.demo import demo_model_path
-
-        model = str(demo_model_path())
-    target, tok = load_target(model, dtype=args.dtype)
+    model, target, tok = bm.load_bench_target(args.model, args.dtype)
     lines = [f"## {Path(model).name} ({args.dtype or 'default dtype'}), {bm.device_stamp()}",
              f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}, {args.max_new_tokens} new tokens, "
              f"best of {args.trials}", ""]

@@ -26,7 +26,6 @@ import mlx.core as mx  # noqa: E402
 from mlx_dspark import benchmark as bm  # noqa: E402
 from mlx_dspark.api import generate  # noqa: E402
 from mlx_dspark.models.drafters import resolve_drafter  # noqa: E402
-from mlx_dspark.models.loading import load_target  # noqa: E402
 from mlx_dspark.train import data as D  # noqa: E402
 
 EVAL_DIR = ROOT.parent / "shared" / "data" / "prompts" / "eval"
@@ -64,12 +63,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out")
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from mlx_dspark.models.demo import demo_model_path
-
-        model = str(demo_model_path())
-    target, tok = load_target(model)
+    model, target, tok = bm.load_bench_target(args.model)
     drafters = {s: resolve_drafter(target, mode="dspark", drafter=args.drafter, draft_vocab=s) for s in args.sizes}
     prompts = [p for dom in ("humaneval", "mbpp")
                for p in D.subsample(D.read_prompt_file(EVAL_DIR / f"{dom}.jsonl"), args.prompts, 2)]

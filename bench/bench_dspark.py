@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT / "python"))
 from mlx_dspark import benchmark as bm  # noqa: E402
 from mlx_dspark.api import generate  # noqa: E402
 from mlx_dspark.models.drafters import resolve_drafter  # noqa: E402
-from mlx_dspark.models.loading import load_target  # noqa: E402
 from mlx_dspark.train import data as D  # noqa: E402
 from mlx_dspark.train.evaluate import acceptance, format_table  # noqa: E402
 
@@ -103,13 +102,8 @@ def main() -> int:
     ap.add_argument("--out", help="append a markdown record here")
     ap.add_argument("--json", help="write all figures here")
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from mlx_dspark.models.demo import demo_model_path
-
-        model = str(demo_model_path())
     bits = None if args.bits == "auto" else int(args.bits)
-    target, tok = load_target(model, dtype=args.dtype)
+    model, target, tok = bm.load_bench_target(args.model, args.dtype)
     drafter = resolve_drafter(target, mode="dspark", drafter=args.drafter, bits=bits, draft_vocab=args.draft_vocab)
     info = drafter.describe()
     lines = [f"## DSpark vs greedy: {Path(model).name} ({args.dtype or 'default dtype'}), {bm.device_stamp()}",

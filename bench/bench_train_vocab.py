@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "python"))
 
 from mlx_dspark import benchmark as bm  # noqa: E402
-from mlx_dspark.models.loading import load_target  # noqa: E402
 from mlx_dspark.train import data as D  # noqa: E402
 from mlx_dspark.train.trainer import DistillConfig, train  # noqa: E402
 
@@ -70,12 +69,7 @@ def main() -> int:
     ap.add_argument("--pool", type=int, default=2000, help="sequences drawn (their ranking picks the subset)")
     ap.add_argument("--out", help="append a markdown record here")
     args = ap.parse_args()
-    model = args.model
-    if model is None:
-        from mlx_dspark.models.demo import demo_model_path
-
-        model = str(demo_model_path())
-    target, tok = load_target(model, dtype=args.dtype)
+    model, target, tok = bm.load_bench_target(args.model, args.dtype)
     # Enough sequences that their answer-token ranking resembles the real one (the steps use a few).
     samples = samples_from_ranking(Path(args.drafter), args.pool, args.length // 4, args.length - args.length // 4, 0)
     t_full, _ = step_times(target, tok, samples, args, "full")

@@ -57,6 +57,18 @@ def emit(text: str, out: str | None) -> None:
             f.write(text + "\n")
 
 
+def load_bench_target(model: str | None, dtype: str | None = None):
+    """(model path or id, target, tokenizer): `model`, or the demo model (SmolLM2-135M-Instruct GGUF)."""
+    from .models.loading import load_target
+
+    if model is None:
+        from .models.demo import demo_model_path
+
+        model = str(demo_model_path())
+    target, tok = load_target(model, dtype=dtype)
+    return model, target, tok
+
+
 def cpu_name() -> str:
     """The processor's model name (from /proc/cpuinfo on Linux), else the machine type."""
     from pathlib import Path
