@@ -1,15 +1,17 @@
 """More training prompts for the reference drafter, made here, from nothing but this Python.
 
-  python bench/make_prompts.py --out DIR [--code 4000] [--chat 3000] [--seed 0]
+  python bench/make_prompts.py --out DIR [--code 4000] [--chat 3000] [--seed 0] [--packages numpy ...]
 
 The shared train/ set has 1.2k code prompts and 750 chat prompts: too few for a drafter to learn
-the target's code and chat well (its held-out acceptance stays far below its training one). This
-writes two more prompt files in the `{"turns": [...]}` format of shared/data/prompts:
+the target's code and chat well (its acceptance on the eval sets stays well below that on its
+training batches). This
+writes more prompt files in the `{"turns": [...]}` format of shared/data/prompts:
 
 - `code-stdlib.jsonl`: programming requests built from the public functions and methods of the
   Python standard library, read with `ast` (nothing is imported): a signature and its
   docstring, asked for in the ways users ask for code (a stub to complete, "write a function
   to ...", a named function with its signature);
+- `code-packages.jsonl` (with `--packages numpy ...`): the same from installed packages;
 - `chat-topics.jsonl`: writing, explaining, advising, comparing and role-play requests over a
   list of everyday and academic topics.
 
@@ -112,9 +114,23 @@ TOPICS = [
 
 
 def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+    return _py_files(Path(sysconfig.get_paths()["stdlib"]))
+
+
+def package_files(packages: list[str]) -> list[Path]:
     out = []
-    for f in sorted(root.rglob("*.py")):
+    for name in packages:
+        d = Path(sysconfig.get_paths()["purelib"]) / name
+        if not d.is_dir():
+            raise SystemExit(f"make_prompts: package {name!r} is not installed in {d.parent}")
+        out += _py_files(d, root=d.parent)
+    return out
+
+
+def _py_files(top: Path, root: Path | None = None) -> list[Path]:
+    root = root or top
+    out = []
+    for f in sorted(top.rglob("*.py")):
         rel = f.relative_to(root).parts
         if any(p in SKIP_DIRS or p.startswith(("test", "config-")) for p in rel[:-1]) or rel[-1].startswith("test"):
             continue
@@ -185,9 +201,9 @@ def functions(files: list[Path]):
             yield node.name, sig, ret, doc
 
 
-def code_prompts(n: int, rng: random.Random) -> list[str]:
+def code_prompts(n: int, rng: random.Random, files: list[Path]) -> list[str]:
     seen, out = set(), []
-    fns = list(functions(stdlib_files()))
+    fns = list(functions(files))
     rng.shuffle(fns)
     for name, sig, ret, doc in fns:
         s = _summary(doc)
@@ -231,13 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code", type=int, default=4000, help="code prompts (at most; default 4000)")
     ap.add_argument("--chat", type=int, default=3000, help="chat prompts (default 3000)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--packages", nargs="*", default=[],
+                    help="installed packages whose functions make a third file, code-packages.jsonl")
     ap.add_argument("--eval-dir", default=str(Path(__file__).resolve().parents[2] / "shared/data/prompts/eval"))
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     held = eval_prompts(Path(a.eval_dir))
-    for name, texts in (("code-stdlib", code_prompts(a.code, random.Random(a.seed))),
-                        ("chat-topics", chat_prompts(a.chat, random.Random(a.seed + 1)))):
+    files = [("code-stdlib", code_prompts(a.code, random.Random(a.seed), stdlib_files())),
+             ("chat-topics", chat_prompts(a.chat, random.Random(a.seed + 1)))]
+    if a.packages:
+        files.append(("code-packages", code_prompts(a.code, random.Random(a.seed + 2), package_files(a.packages))))
+    for name, texts in files:
         texts = [t for t in texts if t not in held]
         with open(out / f"{name}.jsonl", "w", encoding="utf-8") as f:
             for t in texts:

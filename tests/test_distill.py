@@ -424,6 +424,11 @@ def test_make_prompts_writes_prompt_files_distill_reads(tmp_path):
     stubs = [p.text for p in code if "```python" in p.text]
     assert stubs and all("def " in t and '"""' in t for t in stubs)
     assert len({p.text for p in code}) == len(code)
+    assert mp.main(["--out", str(tmp_path / "c"), "--code", "30", "--chat", "1", "--packages", "pip"]) == 0
+    pip_code = read_prompt_file(tmp_path / "c" / "code-packages.jsonl")
+    assert len(pip_code) == 30 and not {p.text for p in pip_code} & {p.text for p in code}
+    with pytest.raises(SystemExit, match="not installed"):
+        mp.main(["--out", str(tmp_path / "d"), "--packages", "no_such_package_here"])
 
 
 def test_loss_masks_and_schedule():
