@@ -12,9 +12,11 @@ One step (drafters-spec.md §5.5, "online target"):
 
 Embed / lm_head are frozen copies of the target's; everything else trains from a random init
 (DeepSpec does the same) or, with `init_from`, from an existing drafter checkpoint of the same
-target (a warm start: its architecture is taken from its config, its weights continue training). Checkpoints (DeepSpec layout) and the resumable state are written
-every `save_every` steps and at the end; `--resume` continues an interrupted run exactly where
-its last state left off (same data order, same anchors).
+target (a warm start: its architecture is taken from its config, its weights continue training).
+With `train_vocab`, the draft head trains over the draft vocabulary only (losses.py).
+Checkpoints (DeepSpec layout) and the resumable state are written every `save_every` steps and
+at the end; `--resume` continues an interrupted run exactly where its last state left off (same
+data order, same anchors).
 """
 
 from __future__ import annotations
