@@ -127,7 +127,7 @@ for step in "$@"; do
     # read before the CPU float32 figures of record.
     timeout ${BENCH_LIMIT:-240} python3 bench/bench_dspark.py --model $GGUF --dtype $DTYPE --drafter ${DRAFTER:-/tmp/ref_x} \
       --bits 16 --eval-dir $P/eval --skip-speed --samples ${SAMPLES:-10} --out "$OUT/accept-h200.md" > "$OUT/bench-accept.log" 2>&1
-    echo "accept rc=$? at $(el)s"; grep -E "^(humaneval|mbpp|mt-bench|math500|swe-bench|all) " "$OUT/bench-accept.log"
+    echo "accept rc=$? at $(el)s"; grep -E "^(humaneval|mbpp|mt-bench|math500|swe-bench|all) " "$OUT/bench-accept.log" | head -6
     ;;
   baseline)
     timeout 200 python3 bench/bench_baseline.py --model $GGUF --dtype $DTYPE --out "$OUT/baseline-lookup-h200.md" \

@@ -234,6 +234,12 @@ def test_init_from_starts_from_a_drafter_and_keeps_its_architecture(tiny, tmp_pa
     assert wa.keys() == wb.keys()
     for k in wa:  # bf16 -> float32 -> bf16 is exact
         assert mx.array_equal(wa[k], wb[k]).item(), k
+    # The full checkpoint (with its embed_tokens / lm_head copies) starts the same drafter.
+    o = warm(tmp_path / "b_full", 0)
+    o.train.init_from = str(tmp_path / "a")
+    run_distill(o, log=_quiet)
+    wf = mx.load(str(tmp_path / "b_full" / "model.safetensors"))
+    assert all(mx.array_equal(wa[k], wf[k]).item() for k in wa)
 
     # Trained further, it starts where the first run ended, not where a random init starts.
     run_distill(warm(tmp_path / "c", 5), log=_quiet)
