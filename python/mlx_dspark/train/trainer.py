@@ -236,13 +236,16 @@ def resolve_arch(cfg: DistillConfig, target) -> Path | None:
 def _init_arch(cfg: DistillConfig, target) -> Path:
     from ..models import checkpoints as mc
 
-    path = mc.resolve_checkpoint(cfg.init_from)
-    hcfg = mc.read_config(path)
-    spec = mc.build_spec(path, hcfg, mc.tensor_shapes(path), source=str(cfg.init_from))
+    try:
+        path = mc.resolve_checkpoint(cfg.init_from)
+        hcfg = mc.read_config(path)
+        spec = mc.build_spec(path, hcfg, mc.tensor_shapes(path), source=str(cfg.init_from))
+        mc.check_target(spec, target)
+    except UserError as e:
+        raise UserError(f"--init-from: {e}") from None
     if spec.packaging not in ("deepspec-dspark", "deepspec-dflash"):
         raise UserError(f"--init-from {cfg.init_from}: a {spec.packaging} checkpoint cannot be trained further "
                         "here (distill trains the DeepSpec layout: DSpark, or DFlash with --kind dflash)")
-    mc.check_target(spec, target)
     for key, read in _INIT_ARCH.items():
         have = read(hcfg)
         mine = getattr(cfg, key)
