@@ -86,13 +86,13 @@ def select(folder: Path, choice, vocab_size: int) -> list[int] | None:
     choice = parse_choice(choice)
     if choice in ("full", 0):
         return None
-    ranking = read_ranking(folder)
-    if ranking is None:
+    ranked = read_ranking(folder)
+    if ranked is None:
         if choice == "auto":
             return None
         raise UserError(f"--draft-vocab {choice} needs a token ranking ({FILE}) beside the drafter's config.json; "
                         f"{folder} has none (`mlx-dspark distill` writes one). Use --draft-vocab full")
-    ids, counts = ranking
+    ids, counts = ranked
     if any(not 0 <= t < vocab_size for t in ids):
         raise UserError(f"{Path(folder) / FILE} holds token ids outside the target's vocabulary ({vocab_size})")
     return prefix(ids, counts, choice, vocab_size)
@@ -150,5 +150,5 @@ def expand(z: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
     return full
 
 
-__all__ = ["AUTO_COVERAGE", "FILE", "expand", "parse_choice", "prefix", "ranking", "read_ranking", "row_subset", "select",
-           "write_ranking"]
+__all__ = ["AUTO_COVERAGE", "FILE", "expand", "parse_choice", "prefix", "ranking", "read_ranking", "row_subset",
+           "select", "write_ranking"]
