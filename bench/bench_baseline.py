@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
 
 from mlx_dspark import benchmark as bm  # noqa: E402
 

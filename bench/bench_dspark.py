@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
 
 from mlx_dspark import benchmark as bm  # noqa: E402
 from mlx_dspark.api import generate  # noqa: E402

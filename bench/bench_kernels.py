@@ -28,7 +28,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
 
 from mlx_dspark import _native, kernels  # noqa: E402
 from mlx_dspark.kernels import gpu, wide_gemm  # noqa: E402

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
 
 from mlx_dspark.blas import loaded_blas  # noqa: E402
 from mlx_dspark.models.demo import demo_model_path  # noqa: E402

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
 sys.path.insert(0, str(ROOT / "tests"))
 
 import mlx.core as mx  # noqa: E402

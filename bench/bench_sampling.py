@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
 sys.path.insert(0, str(ROOT / "tests"))
 
 from mlx_dspark import benchmark as bm  # noqa: E402

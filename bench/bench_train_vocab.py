@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
 
 from mlx_dspark import benchmark as bm  # noqa: E402
 from mlx_dspark.train import data as D  # noqa: E402
