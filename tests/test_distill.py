@@ -207,8 +207,9 @@ def test_a_terminated_run_saves_its_state_and_resumes_to_the_same_weights(tiny, 
 
 def test_init_from_starts_from_a_drafter_and_keeps_its_architecture(tiny, tmp_path):
     """--init-from: the compact export of one run is the exact starting point of the next (its
-    architecture taken from its config, no flags), which then trains on; a disagreeing
-    architecture flag and a checkpoint for another target are refused before any answer is made."""
+    architecture taken from its config, no flags), which then trains on; a larger --layers grows
+    it into a deeper drafter that drafts the same at first; a disagreeing architecture flag and a
+    checkpoint for another target are refused before any answer is made."""
     from mlx_dspark.errors import UserError
     from mlx_dspark.train.pipeline import run_distill
 
@@ -250,9 +251,35 @@ def test_init_from_starts_from_a_drafter_and_keeps_its_architecture(tiny, tmp_pa
     # (nearer the first run's last loss than its first: a random init would start at the first)
     assert warm_loss[0] < first_loss[0] - 0.5 * (first_loss[0] - first_loss[-1]), (first_loss, warm_loss)
 
-    with pytest.raises(UserError, match="--layers 2 disagrees with --init-from"):
-        run_distill(warm(tmp_path / "d", 1, layers=2), log=_quiet)
+    with pytest.raises(UserError, match="--markov-rank 8 disagrees with --init-from"):
+        run_distill(warm(tmp_path / "d", 1, markov_rank=8), log=_quiet)
     assert not (tmp_path / "d" / "samples.jsonl").exists()  # refused before generating
+
+    # A deeper drafter grows from it: the same layers, then one that starts as the identity, so
+    # its first draft equals the checkpoint's exactly.
+    run_distill(warm(tmp_path / "g", 0, layers=2), log=_quiet)
+    cfg_g = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert cfg_g["num_hidden_layers"] == 2 and cfg_g["mlx_dspark_distill"]["grown_from_layers"] == 1
+    wg = mx.load(str(tmp_path / "g" / "model.safetensors"))
+    assert all(mx.array_equal(wa[k], wg[k]).item() for k in wa)
+    for k in ("layers.1.self_attn.o_proj.weight", "layers.1.mlp.down_proj.weight"):
+        assert not mx.any(wg[k]).item(), k
+    assert mx.any(wg["layers.1.self_attn.q_proj.weight"]).item()  # the rest of the new layer is a fresh init
+    from mlx_dspark.models.drafters import load_drafter
+    from mlx_dspark.models.loading import load_target
+
+    target, _ = load_target(str(tiny))
+    d_a, d_g = (load_drafter(str(tmp_path / n), target, bits=16) for n in ("a", "g"))
+    ids = mx.array(np.random.default_rng(1).integers(0, target.vocab_size - 8, size=(1, 12)).astype(np.int32))
+    taps = target.forward(ids, None, taps=d_a.spec.taps).hidden[0]
+    h_a = d_a.block_hidden(int(ids[0, 11]), taps[:11], d_a.new_state())
+    h_g = d_g.block_hidden(int(ids[0, 11]), taps[:11], d_g.new_state())
+    assert mx.array_equal(h_a, h_g).item()
+    # ... and a shallower one is refused: layers cannot be dropped.
+    o = warm(tmp_path / "g2", 1, layers=1)
+    o.train.init_from = str(tmp_path / "g")
+    with pytest.raises(UserError, match="--layers 1 disagrees with --init-from .*or make it deeper"):
+        run_distill(o, log=_quiet)
     other = write_model(tmp_path / "other", "qwen3", **dict(TINY, hidden=32, heads=2, kv_heads=1))
     o = warm(tmp_path / "e", 1)
     o.model = str(other)
@@ -317,6 +344,58 @@ def test_training_forward_is_the_inference_forward(tiny, tmp_path):
         for a, p in enumerate(anchors[s]):
             ref = d.block_hidden(int(ids[s, p]), taps[s, :p] if p else None, d.new_state())
             assert float(mx.abs(ref - hb[s, a]).max()) < 1e-4 * (1 + float(mx.abs(ref).max()))
+
+
+def test_export_stores_a_drafter_quantized_that_every_loader_reads(tiny, tmp_path):
+    """`python -m mlx_dspark.train.export --bits 8`: the matrices stored quantized (MLX affine),
+    a "quantization" block in config.json; the loader, the shape check and --init-from read it back
+    dequantized (close to the bf16 export), and a block without its config is refused."""
+    from mlx_dspark.errors import UserError
+    from mlx_dspark.models.checkpoints import read_weights, tensor_shapes
+    from mlx_dspark.models.drafters import load_drafter
+    from mlx_dspark.models.loading import load_target
+    from mlx_dspark.train import checkpoint as ck
+    from mlx_dspark.train.export import main as export_main
+    from mlx_dspark.train.trainer import DistillConfig, build_model, load_init_weights
+
+    target, tok = load_target(str(tiny))
+    cfg = DistillConfig(layers=2, block_size=5, markov_rank=8, taps=[0])
+    model, hcfg, _ = build_model(target, tok, cfg, tmp_path / "full")
+    ck.init_weights(model, seed=5, std=0.2)
+    ck.save_drafter(model, hcfg, tmp_path / "full")
+    assert export_main([str(tmp_path / "full"), str(tmp_path / "bf16")]) == 0
+    assert export_main([str(tmp_path / "full"), str(tmp_path / "q8"), "--bits", "8"]) == 0
+    q8 = tmp_path / "q8"
+    assert json.loads((q8 / "config.json").read_text())["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    raw = mx.load(str(q8 / "model.safetensors"))
+    assert raw["layers.0.mlp.down_proj.weight"].dtype == mx.uint32 and "fc.scales" in raw
+    assert "markov_head.markov_w1.scales" not in raw and "norm.scales" not in raw  # rank 8, 1-D: kept as they are
+    assert (q8 / "model.safetensors").stat().st_size < 0.8 * (tmp_path / "bf16" / "model.safetensors").stat().st_size
+    assert tensor_shapes(q8) == tensor_shapes(tmp_path / "bf16")
+    plain, deq = read_weights(tmp_path / "bf16"), read_weights(q8)
+    assert plain.keys() == deq.keys()
+    for k, v in plain.items():
+        err = float(mx.abs(v.astype(mx.float32) - deq[k].astype(mx.float32)).max())
+        assert err <= 0.02 * float(mx.abs(v.astype(mx.float32)).max()) + 1e-6, k
+
+    d_b, d_q = (load_drafter(str(tmp_path / n), target, bits=16) for n in ("bf16", "q8"))
+    ids = mx.array(np.random.default_rng(2).integers(0, target.vocab_size - 8, size=(1, 10)).astype(np.int32))
+    taps = target.forward(ids, None, taps=d_b.spec.taps).hidden[0]
+    h_b = d_b.block_hidden(int(ids[0, 9]), taps[:9], d_b.new_state())
+    h_q = d_q.block_hidden(int(ids[0, 9]), taps[:9], d_q.new_state())
+    assert float(mx.abs(h_b - h_q).max()) < 0.05 * float(mx.abs(h_b).max())
+    assert load_drafter(str(q8), target, bits=4).describe()["bits"] == 4  # and quantized again at load
+
+    fresh, _, _ = build_model(target, tok, DistillConfig(layers=2, block_size=5, markov_rank=8, taps=[0]),
+                              tmp_path / "warm")
+    load_init_weights(fresh, q8)  # --init-from a stored-quantized drafter
+    assert mx.allclose(fresh.fc.weight, deq["fc.weight"].astype(mx.float32)).item()
+
+    c = json.loads((q8 / "config.json").read_text())
+    del c["quantization"]
+    (q8 / "config.json").write_text(json.dumps(c))
+    with pytest.raises(UserError, match="stores quantized tensors"):
+        load_drafter(str(q8), target, bits=16)
 
 
 def test_training_on_the_draft_vocabulary_is_the_loss_of_drafting_from_it(tiny, tmp_path):

@@ -47,7 +47,8 @@ def add_parser(sub) -> None:
     a.add_argument("--init-from", metavar="DRAFTER", help="start from this drafter of the same target (a folder "
                                                           "or repo id in the DeepSpec layout, e.g. an earlier "
                                                           "distill): its architecture, its weights trained further")
-    a.add_argument("--layers", type=positive_int, help="drafter depth (default 2)")
+    a.add_argument("--layers", type=positive_int, help="drafter depth (default 2; with --init-from, the "
+                                                         "checkpoint's, or more: new layers start as identity)")
     a.add_argument("--block-size", type=positive_int, help="draft tokens per round (default 7)")
     a.add_argument("--taps", type=_taps, help="target layers to tap, e.g. 1,8,14,20,27 (default: 5 spread over "
                                               "the target's depth, never its last layer)")
@@ -79,6 +80,8 @@ def add_parser(sub) -> None:
     e.add_argument("--no-eval", action="store_true")
     e.add_argument("--export", metavar="DIR", help="also write a compact copy without the embed/lm_head copies "
                                                     "(bound to the target's at load), for shipping")
+    e.add_argument("--export-bits", type=int, choices=(4, 8, 16), default=16,
+                   help="--export's matrices stored quantized (MLX affine, group 64); default 16: bf16")
     e.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
@@ -111,8 +114,8 @@ def options_from_args(args):
                           builtin_prompts=not args.no_builtin_prompts, eval_prompts=list(args.eval_prompts),
                           eval_samples=args.eval_samples, eval_max_tokens=args.eval_max_tokens,
                           evaluate=not args.no_eval, max_train_prompts=args.max_train_prompts, dtype=args.dtype,
-                          export=args.export, resume=args.resume, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, train=cfg)
+                          export=args.export, export_bits=args.export_bits, resume=args.resume,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, train=cfg)
 
 
 def run(args) -> int:

@@ -106,8 +106,40 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
+def stored_quantization(cfg: dict, path: Path) -> tuple[int, int, str]:
+    """(bits, group_size, mode) of a checkpoint stored quantized: config.json's "quantization"
+    block (MLX affine; e.g. `python -m mlx_dspark.train.export --bits 8`)."""
+    q = cfg.get("quantization")
+    if not isinstance(q, dict) or q.get("bits") not in (2, 3, 4, 5, 6, 8) or q.get("group_size") not in (32, 64, 128) \
+            or q.get("mode", "affine") != "affine":
+        raise UserError(f"drafter {path} stores quantized tensors (*.scales) but its config.json has no valid "
+                        f"\"quantization\" block (got {q!r}; expected {{\"bits\": 8, \"group_size\": 64}})")
+    return int(q["bits"]), int(q["group_size"]), "affine"
+
+
+def read_weights(path: Path) -> dict:
+    """Every tensor of the folder's safetensors files. A checkpoint stored quantized comes back
+    dequantized (X.weight + X.scales + X.biases -> X.weight, in the scales' dtype), so every
+    loader sees the one plain layout and quantizes again, at load, to the bits asked for."""
+    import mlx.core as mx
+
+    weights: dict = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    scales = [n for n in weights if n.endswith(".scales")]
+    if scales:
+        bits, group, mode = stored_quantization(read_config(path), path)
+        for name in scales:
+            base = name[: -len(".scales")]
+            s, b = weights.pop(name), weights.pop(base + ".biases", None)
+            weights[base + ".weight"] = mx.dequantize(weights[base + ".weight"], s, b, group_size=group, bits=bits,
+                                                      mode=mode).astype(s.dtype)
+    return weights
+
+
 def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the folder's safetensors files (headers only)."""
+    """Name -> shape of every tensor in the folder's safetensors files (headers only); a stored-
+    quantized tensor is reported with its dequantized shape, as `read_weights` returns it."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserError(f"drafter {path} has no *.safetensors weights")
@@ -125,6 +157,15 @@ def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             if name in shapes:
                 raise UserError(f"drafter tensor {name} appears in more than one weights file")
             shapes[name] = tuple(int(d) for d in meta["shape"])
+    scales = [n for n in shapes if n.endswith(".scales")]
+    if scales:
+        _, group, _ = stored_quantization(read_config(path), path)
+        for name in scales:
+            base = name[: -len(".scales")]
+            if base + ".weight" not in shapes:
+                raise UserError(f"drafter {path}: {name} has no {base}.weight beside it")
+            shapes[base + ".weight"] = (*shapes[base + ".weight"][:-1], shapes.pop(name)[-1] * group)
+            shapes.pop(base + ".biases", None)
     return shapes
 
 

@@ -23,7 +23,8 @@ import mlx.nn as nn
 
 from ..errors import UserError
 from . import registry
-from .checkpoints import DrafterSpec, build_spec, check_target, check_tensors, read_config, resolve_checkpoint, tensor_shapes
+from .checkpoints import (DrafterSpec, build_spec, check_target, check_tensors, read_config, read_weights,
+                          resolve_checkpoint, tensor_shapes)
 from .dflash import BlockDrafter, ZLabDFlashDrafter, ZLabDFlashModel, _raw_head
 from .dspark import DSparkDrafter, DSparkModel
 
@@ -138,9 +139,7 @@ def load_drafter(source: str, target, *, bits: int | None = None, draft_vocab="a
     zlab = spec.packaging == "zlab-dflash"
     model = ZLabDFlashModel(spec.backbone) if zlab else DSparkModel(spec)
     check_tensors(spec, module_shapes(model))
-    weights: dict[str, mx.array] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
+    weights = read_weights(path)
     model.load_weights(list(weights.items()), strict=True)
     del weights
     _cast(model, target_dtype(target))

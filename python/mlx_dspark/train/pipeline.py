@@ -44,6 +44,7 @@ class DistillOptions:
     max_train_prompts: int | None = None
     dtype: str | None = None
     export: str | None = None
+    export_bits: int = 16  # 8 or 4: the export's matrices stored quantized
     resume: bool = False
     temperature: float | None = None
     top_p: float | None = None
@@ -136,9 +137,11 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
     meta = {"target": str(model), "kind": cfg.kind, "prompts": [str(p) for p in opts.prompts] + (
         ["<built-in>"] if opts.builtin_prompts else []), "samples": len(samples),
         "answer_tokens": sum(s.n_answer for s in samples), "sampling": samp, "batch_size": cfg.batch_size,
-        "anchors": cfg.anchors, "lr": cfg.lr}
+        "anchors": cfg.anchors, "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio, "train_vocab": cfg.train_vocab}
     if cfg.init_from:
         meta["init_from"] = str(cfg.init_from)
+        if cfg.init_layers is not None and cfg.init_layers < cfg.layers:
+            meta["grown_from_layers"] = cfg.init_layers
     summary = train(target, tokenizer, samples, cfg, out, resume=opts.resume, meta=meta, on_step=on_step, log=say)
     from ..models.draft_vocab import write_ranking
 
@@ -148,7 +151,7 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
     if opts.export:
         from .export import export_compact
 
-        ship = export_compact(out, Path(opts.export).expanduser())
+        ship = export_compact(out, Path(opts.export).expanduser(), bits=opts.export_bits)
         say(f"distill: compact export in {ship} ({ck.size_mb(ship):.1f} MB)")
     if opts.evaluate and held:
         from ..models.drafters import load_drafter

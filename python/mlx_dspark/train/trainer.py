@@ -12,7 +12,8 @@ One step (drafters-spec.md §5.5, "online target"):
 
 Embed / lm_head are frozen copies of the target's; everything else trains from a random init
 (DeepSpec does the same) or, with `init_from`, from an existing drafter checkpoint of the same
-target (a warm start: its architecture is taken from its config, its weights continue training).
+target (a warm start: its architecture is taken from its config, its weights continue training;
+a larger `layers` grows it by identity-initialised layers).
 With `train_vocab`, the draft head trains over the draft vocabulary only (losses.py).
 Checkpoints (DeepSpec layout) and the resumable state are written every `save_every` steps and
 at the end; `--resume` continues an interrupted run exactly where its last state left off (same
@@ -38,6 +39,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import UserError
+from ..models.checkpoints import read_weights
 from ..models.dspark import DSparkModel
 from . import checkpoint as ck
 from . import data as D
@@ -70,6 +72,7 @@ class DistillConfig:
     gen: D.GenConfig = field(default_factory=D.GenConfig)
     init_from: str | None = None  # a drafter folder / repo id to start from (a warm start)
     train_vocab: int | str = "full"  # full, auto or N: train on the draft vocabulary (losses.py)
+    init_layers: int | None = None  # set by resolve_arch: init_from's depth (below `layers`: grown)
 
     def arch(self) -> dict:
         """What must match for --resume."""
@@ -249,20 +252,31 @@ def _init_arch(cfg: DistillConfig, target) -> Path:
     for key, read in _INIT_ARCH.items():
         have = read(hcfg)
         mine = getattr(cfg, key)
+        if key == "layers":
+            cfg.init_layers = have
+        if key == "layers" and mine is not None and mine > have:
+            continue  # a deeper drafter: the checkpoint's layers, then new ones that start as identity
         if mine is not None and mine != have:
+            more = " or make it deeper" if key == "layers" else ""
             raise UserError(f"{_FLAG[key]} {mine} disagrees with --init-from {cfg.init_from}, whose {key} is {have}: "
-                            f"drop {_FLAG[key]} (a warm start keeps the checkpoint's architecture)")
+                            f"drop {_FLAG[key]} (a warm start keeps the checkpoint's architecture{more})")
         setattr(cfg, key, have)
     return path
 
 
 def load_init_weights(model: DSparkModel, path: Path) -> None:
     """The trainable weights of the checkpoint at `path` into `model` (float32), strictly by name
-    and shape; its embed_tokens / lm_head copies, if any, are ignored (the target's are used)."""
+    and shape; its embed_tokens / lm_head copies, if any, are ignored (the target's are used).
+
+    A `model` deeper than the checkpoint grows it: layers past the checkpoint's keep their fresh
+    init but with zero output projections (o_proj, down_proj), so each starts as the identity on
+    the residual stream and the grown drafter drafts exactly what the checkpoint did."""
     want = {k: v.shape for k, v in tree_flatten(model.parameters()) if not k.startswith(("embed_tokens.", "lm_head."))}
-    got: dict[str, mx.array] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        got.update({k: v for k, v in mx.load(str(f)).items() if not k.startswith(("embed_tokens.", "lm_head."))})
+    got = {k: v for k, v in read_weights(Path(path)).items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    have = 1 + max((int(k.split(".")[1]) for k in got if k.startswith("layers.")), default=-1)
+    new_layers = range(have, len(model.layers))
+    for i in new_layers:
+        want = {k: v for k, v in want.items() if not k.startswith(f"layers.{i}.")}
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
     bad = sorted(k for k in set(want) & set(got) if tuple(got[k].shape) != tuple(want[k]))
@@ -270,6 +284,10 @@ def load_init_weights(model: DSparkModel, path: Path) -> None:
         raise UserError(f"--init-from {path}: its tensors do not match the drafter it describes "
                         f"(missing {missing[:3]}, unexpected {extra[:3]}, other shapes {bad[:3]})")
     model.load_weights([(k, v.astype(mx.float32)) for k, v in got.items()], strict=False)
+    for i in new_layers:
+        layer = model.layers[i]
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
 
 
 def build_model(target, tokenizer, cfg: DistillConfig, out: Path) -> tuple[DSparkModel, dict, object]:
