@@ -10,7 +10,22 @@
 #   bash bench/h200_reference.sh accept        # acceptance per eval domain on the H200 (DRAFTER, SAMPLES)
 #   bash bench/h200_reference.sh baseline      # bench_baseline.py (baseline / lookup) on the H200
 #
-# What produced the shipped drafter (2026-12-01, third device session, 27 device-minutes):
+# What produced the shipped drafter (2026-12-01, fourth device session, 26 device-minutes), with
+# LAYERS=5 GEN_BATCH=768 TRAIN="--batch-size 24 --anchors 128 --lr 3e-4 --warmup-ratio 0.02 --train-vocab auto":
+#   prompts.tar.gz as below plus train/code-packages.jsonl (3198) and 5160 chat-topics, from
+#   `make_prompts.py --code 4000 --chat 5700 --packages numpy mlx_lm huggingface_hub jinja2 pygments
+#   click requests urllib3 setuptools tqdm fsspec packaging`
+#   call 1-6  the 6 chunks; the last one also ran `setup data` with GEN_SECONDS=330: 15.3k prompts
+#             (139 longer than 1024 tokens skipped), 18983 answers, 4.61M answer tokens at 14.0k tok/s;
+#   call 7    `train` with LIMIT=570 TRAIN_SECONDS=1000, grown from the third session's 3-layer drafter
+#             to 5 layers (--init-from + --layers 5): 3745 steps fitted (256 ms/step over the first 25,
+#             compilation included; 0.19 s/step after), stopped by its timeout at step 2864;
+#   call 8    `train export` (LIMIT=330): resumed, steps 2865-3745 (3745 in 701 s), exported (39.6 MB
+#             bf16); then `bench` with SPEED_PROMPTS=2;
+#   call 9    `accept` with SAMPLES=8: cut by its 170 s limit at 30 of 40 prompts (no figures).
+#   Then, on the CPU: `python -m mlx_dspark.train.export /tmp/ref_x ASSET --bits 8` (25.6 MB).
+#
+# The third session (2026-12-01, 27 device-minutes), 3 layers:
 #   make_prompts.py here (code-stdlib 3634, chat-topics 4000 prompts) into prompts.tar.gz; the
 #   carry set packed with CHUNK_MB=34 (6 chunks: the tree itself is 30 MB with the drafter in it)
 #   call 1-6  the 6 chunks; the last one also ran `setup data` with GEN_SECONDS=330: 11.9k prompts
@@ -73,12 +88,13 @@ TRAIN=${TRAIN:-"--batch-size 24 --anchors 128 --lr 3e-4 --warmup-ratio 0.02"}  #
 # (acceptance is measured on the first 128: more prompts rather than longer answers).
 # The second session's data: the four train/ files only, 3 answers at T 0.5, up to 512 tokens.
 PROMPTS=${PROMPTS:-"$P/train/gsm8k.jsonl $P/train/livecodebench.jsonl $P/train/arena-hard-v2.jsonl \
- $P/train/lbpp.jsonl $P/train/code-stdlib.jsonl $P/train/chat-topics.jsonl"}
+ $P/train/lbpp.jsonl $P/train/code-stdlib.jsonl $P/train/chat-topics.jsonl $P/train/code-packages.jsonl"}
 DATA="--model $GGUF --dtype $DTYPE --prompts $PROMPTS --answer-tokens ${ANSWER_TOKENS:-384} \
  --gen-batch-size ${GEN_BATCH:-384} --answers-per-prompt ${ANSWERS:-2} --temperature ${TEMP:-0.3} --top-p 0.9"
 # Third session: a warm start from the shipped drafter (its architecture comes with it).
+# LAYERS (fourth session: 5) grows it: the checkpoint's layers, then new ones that start as identity.
 INIT=${INIT-"--init-from python/mlx_dspark/assets/dspark-smollm2-135m-instruct"}
-[ -n "$INIT" ] && ARCH=""
+[ -n "$INIT" ] && ARCH="${LAYERS:+--layers $LAYERS}"
 
 for step in "$@"; do
   case $step in
