@@ -473,7 +473,10 @@ def test_distill_trains_on_the_draft_vocabulary(tiny, tmp_path):
     o = _small_run(peaked, tmp_path / "v", steps=100, save_every=0, prompts=3, answer_tokens=24,
                    export=str(tmp_path / "v_x"))
     o.train.train_vocab, o.train.anchors, o.train.batch_size = "auto", 16, 4
+    o.export_bits = 8  # (--export-bits 8: the drafter below loads from a stored-quantized export)
     run_distill(o, log=said.append)
+    shipped = json.loads((tmp_path / "v_x" / "config.json").read_text())
+    assert shipped["quantization"]["bits"] == 8 and shipped["mlx_dspark_distill"]["train_vocab"] == "auto"
     target, _ = load_target(str(peaked))
     d = load_drafter(str(tmp_path / "v_x"), target, bits=16, draft_vocab="auto")
     k = int(d.vocab_ids.size)
