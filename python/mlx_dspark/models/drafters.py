@@ -11,7 +11,9 @@ group 64); 16 keeps them unquantized. Either way floating weights are cast to th
 compute dtype first (float32 on the CPU backend, where bf16 matmuls never use BLAS). What stays
 exact: norms, the confidence head (it decides truncation), and the target's bound matrices
 (z-lab's embed / head; DeepSpec copies identical to the target's unquantized ones are bound
-to them instead of being stored twice).
+to them instead of being stored twice). A checkpoint stored quantized (`export --bits 8`, like
+the shipped SmolLM2 drafter) is dequantized as it is read (checkpoints.read_weights) and then
+treated the same way.
 """
 
 from __future__ import annotations
