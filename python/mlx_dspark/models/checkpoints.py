@@ -106,15 +106,15 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
-def stored_quantization(cfg: dict, path: Path) -> tuple[int, int, str]:
-    """(bits, group_size, mode) of a checkpoint stored quantized: config.json's "quantization"
+def stored_quantization(cfg: dict, path: Path) -> tuple[int, int]:
+    """(bits, group_size) of a checkpoint stored quantized: config.json's "quantization"
     block (MLX affine; e.g. `python -m mlx_dspark.train.export --bits 8`)."""
     q = cfg.get("quantization")
     if not isinstance(q, dict) or q.get("bits") not in (2, 3, 4, 5, 6, 8) or q.get("group_size") not in (32, 64, 128) \
             or q.get("mode", "affine") != "affine":
         raise UserError(f"drafter {path} stores quantized tensors (*.scales) but its config.json has no valid "
                         f"\"quantization\" block (got {q!r}; expected {{\"bits\": 8, \"group_size\": 64}})")
-    return int(q["bits"]), int(q["group_size"]), "affine"
+    return int(q["bits"]), int(q["group_size"])
 
 
 def read_weights(path: Path) -> dict:
@@ -128,12 +128,12 @@ def read_weights(path: Path) -> dict:
         weights.update(mx.load(str(f)))
     scales = [n for n in weights if n.endswith(".scales")]
     if scales:
-        bits, group, mode = stored_quantization(read_config(path), path)
+        bits, group = stored_quantization(read_config(path), path)
         for name in scales:
             base = name[: -len(".scales")]
             s, b = weights.pop(name), weights.pop(base + ".biases", None)
-            weights[base + ".weight"] = mx.dequantize(weights[base + ".weight"], s, b, group_size=group, bits=bits,
-                                                      mode=mode).astype(s.dtype)
+            weights[base + ".weight"] = mx.dequantize(weights[base + ".weight"], s, b, group_size=group,
+                                                      bits=bits).astype(s.dtype)
     return weights
 
 
@@ -159,7 +159,7 @@ def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             shapes[name] = tuple(int(d) for d in meta["shape"])
     scales = [n for n in shapes if n.endswith(".scales")]
     if scales:
-        _, group, _ = stored_quantization(read_config(path), path)
+        _, group = stored_quantization(read_config(path), path)
         for name in scales:
             base = name[: -len(".scales")]
             if base + ".weight" not in shapes:
