@@ -88,7 +88,8 @@ TRAIN=${TRAIN:-"--batch-size 24 --anchors 128 --lr 3e-4 --warmup-ratio 0.02"}  #
 # (acceptance is measured on the first 128: more prompts rather than longer answers).
 # The second session's data: the four train/ files only, 3 answers at T 0.5, up to 512 tokens.
 PROMPTS=${PROMPTS:-"$P/train/gsm8k.jsonl $P/train/livecodebench.jsonl $P/train/arena-hard-v2.jsonl \
- $P/train/lbpp.jsonl $P/train/code-stdlib.jsonl $P/train/chat-topics.jsonl $P/train/code-packages.jsonl"}
+ $P/train/lbpp.jsonl $P/train/code-stdlib.jsonl $P/train/chat-topics.jsonl $P/train/code-packages.jsonl \
+ $P/train/chat-kinds.jsonl"}
 DATA="--model $GGUF --dtype $DTYPE --prompts $PROMPTS --answer-tokens ${ANSWER_TOKENS:-384} \
  --gen-batch-size ${GEN_BATCH:-384} --answers-per-prompt ${ANSWERS:-2} --temperature ${TEMP:-0.3} --top-p 0.9"
 # Third session: a warm start from the shipped drafter (its architecture comes with it).

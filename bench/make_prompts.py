@@ -1,6 +1,7 @@
 """More training prompts for the reference drafter, made here, from nothing but this Python.
 
-  python bench/make_prompts.py --out DIR [--code 4000] [--chat 3000] [--seed 0] [--packages numpy ...]
+  python bench/make_prompts.py --out DIR [--code 4000] [--chat 3000] [--chat-kinds 0] [--seed 0]
+                               [--packages numpy ...]
 
 The shared train/ set has 1.2k code prompts and 750 chat prompts: too few for a drafter to learn
 the target's code and chat well (its acceptance on the eval sets stays well below that on its
@@ -13,7 +14,10 @@ writes more prompt files in the `{"turns": [...]}` format of shared/data/prompts
   to ...", a named function with its signature);
 - `code-packages.jsonl` (with `--packages numpy ...`): the same from installed packages;
 - `chat-topics.jsonl`: writing, explaining, advising, comparing and role-play requests over a
-  list of everyday and academic topics.
+  list of everyday and academic topics;
+- `chat-kinds.jsonl` (with `--chat-kinds N`): role-play, reasoning puzzles, school mathematics,
+  extraction from a given text, STEM and humanities questions, rewriting a given passage
+  (bench/chat_prompts.py).
 
 The target answers them itself (`mlx-dspark distill --prompts ...`), so only their variety
 matters, not their quality. No prompt equals one of shared/data/prompts/eval/ (checked when that
@@ -29,6 +33,9 @@ import random
 import sys
 import sysconfig
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chat_prompts import kind_prompts  # noqa: E402
 
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "tkinter", "turtledemo", "site-packages", "ensurepip",
              "pydoc_data", "__pycache__", "dist-packages", "config-3", "venv"}
@@ -246,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for code-stdlib.jsonl and chat-topics.jsonl")
     ap.add_argument("--code", type=int, default=4000, help="code prompts (at most; default 4000)")
     ap.add_argument("--chat", type=int, default=3000, help="chat prompts (default 3000)")
+    ap.add_argument("--chat-kinds", type=int, default=0,
+                    help="prompts of the other chat kinds (bench/chat_prompts.py), a fourth file (default 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--packages", nargs="*", default=[],
                     help="installed packages whose functions make a third file, code-packages.jsonl")
@@ -258,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
              ("chat-topics", chat_prompts(a.chat, random.Random(a.seed + 1)))]
     if a.packages:
         files.append(("code-packages", code_prompts(a.code, random.Random(a.seed + 2), package_files(a.packages))))
+    if a.chat_kinds:
+        files.append(("chat-kinds", kind_prompts(a.chat_kinds, random.Random(a.seed + 3), TOPICS)))
     for name, texts in files:
         texts = [t for t in texts if t not in held]
         with open(out / f"{name}.jsonl", "w", encoding="utf-8") as f:

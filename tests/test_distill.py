@@ -512,9 +512,15 @@ def test_make_prompts_writes_prompt_files_distill_reads(tmp_path):
     stubs = [p.text for p in code if "```python" in p.text]
     assert stubs and all("def " in t and '"""' in t for t in stubs)
     assert len({p.text for p in code}) == len(code)
-    assert mp.main(["--out", str(tmp_path / "c"), "--code", "30", "--chat", "1", "--packages", "pip"]) == 0
+    assert mp.main(["--out", str(tmp_path / "c"), "--code", "30", "--chat", "1", "--packages", "pip",
+                    "--chat-kinds", "60"]) == 0
     pip_code = read_prompt_file(tmp_path / "c" / "code-packages.jsonl")
     assert len(pip_code) == 30 and not {p.text for p in pip_code} & {p.text for p in code}
+    kinds = [p.text for p in read_prompt_file(tmp_path / "c" / "chat-kinds.jsonl")]
+    assert len(kinds) == len(set(kinds)) == 60
+    assert any("Pretend you are" in t or "role" in t or "character" in t for t in kinds)  # role-play
+    assert any(t.startswith("Solve for x") or "derivative" in t or "probability" in t for t in kinds)  # maths
+    assert not any("{" in t.split("\n")[0] and "}" in t.split("\n")[0] for t in kinds)  # every slot filled
     with pytest.raises(SystemExit, match="not installed"):
         mp.main(["--out", str(tmp_path / "d"), "--packages", "no_such_package_here"])
 
