@@ -10,7 +10,21 @@
 #   bash bench/h200_reference.sh accept        # acceptance per eval domain on the H200 (DRAFTER, SAMPLES)
 #   bash bench/h200_reference.sh baseline      # bench_baseline.py (baseline / lookup) on the H200
 #
-# What produced the shipped drafter (2026-12-01, fourth device session, 26 device-minutes), with
+# What produced the shipped drafter (2026-12-01, fifth device session, 26 device-minutes), with INIT the
+# default (the fourth session's 5-layer drafter, read from its 8-bit asset), GEN_BATCH=768 ANSWER_TOKENS=256
+# TRAIN="--batch-size 32 --anchors 128 --lr 3e-4 --warmup-ratio 0.02 --train-vocab auto":
+#   prompts.tar.gz as in the fourth session plus train/chat-kinds.jsonl (6000, `make_prompts.py
+#   --chat-kinds 6000`; the other files are the same bytes)
+#   call 1-6  the 6 chunks (the machine started in about 30 s); the last one also ran `setup data` with
+#             GEN_SECONDS=330: 21.1k prompts (139 longer than 1024 tokens skipped), 31123 answers
+#             (every prompt once, 9.8k twice), 5.49M answer tokens at 16.6k tok/s;
+#   call 7    `train` with LIMIT=570 TRAIN_SECONDS=990: 4217 steps fitted (224 ms/step over the first 25),
+#             stopped by its timeout at step 2539;
+#   call 8    `train export` (LIMIT=500): resumed, steps 2540-4217 (4217 in 872 s, 0.21 s/step), exported;
+#   call 9    `bench` with SPEED_PROMPTS=2 BENCH_LIMIT=300 (146 s).
+#   Then, on the CPU: `python -m mlx_dspark.train.export /tmp/ref_x ASSET --bits 8` (25.3 MB).
+#
+# The fourth session (2026-12-01, 26 device-minutes), with
 # LAYERS=5 GEN_BATCH=768 TRAIN="--batch-size 24 --anchors 128 --lr 3e-4 --warmup-ratio 0.02 --train-vocab auto":
 #   prompts.tar.gz as below plus train/code-packages.jsonl (3198) and 5160 chat-topics, from
 #   `make_prompts.py --code 4000 --chat 5700 --packages numpy mlx_lm huggingface_hub jinja2 pygments

@@ -57,9 +57,9 @@ UNMEASURED = "published pair; not yet measured by mlx-dspark"
 
 PAIRS: tuple[Pair, ...] = (
     Pair("smollm2-135m-instruct", "dspark", SMOLLM2_DSPARK, "mlx-dspark (distill)", "deepspec-dspark", 7,
-         SMOLLM2_135M, measured="CPU float32: accept 3.01 humaneval, 3.42 mbpp, 2.12 mt-bench; code 2.33x greedy "
-         "(bench/results/dspark-cpu.md)", note="the demo target's drafter (mlx-dspark distill, 40 min on an H200 "
-         "over three sessions); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's"),
+         SMOLLM2_135M, measured="CPU float32: accept 3.20 humaneval, 3.51 mbpp, 2.32 mt-bench; code 2.36x greedy "
+         "(bench/results/dspark-cpu.md)", note="the demo target's drafter (mlx-dspark distill, 55 min of training on "
+         "an H200 over four sessions); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's"),
     Pair("qwen3-4b", "dspark", "deepseek-ai/dspark_qwen3_4b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_4B),
     Pair("qwen3-8b", "dspark", "deepseek-ai/dspark_qwen3_8b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_8B),
     Pair("qwen3-14b", "dspark", "deepseek-ai/dspark_qwen3_14b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_14B),
