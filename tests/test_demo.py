@@ -103,3 +103,26 @@ def test_env_override_and_installed_package(isolated, monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.delenv(demo.ENV_PATH, raising=False)
     assert demo._installed_gguf() == pkg / demo.GGUF_NAME  # found without importing the package
+
+
+def test_bench_names_a_stale_installed_copy(tmp_path):
+    """bench/_package.py: a non-editable install that no longer matches python/ (code or the shipped
+    drafter) is named with the files that differ, so a benchmark never measures it unawares."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("bench_package", Path(__file__).parents[1] / "bench/_package.py")
+    pkg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pkg)
+    src = tmp_path / "src"
+    (src / "assets" / "d").mkdir(parents=True)
+    (src / "api.py").write_text("x = 1\n")
+    (src / "assets" / "d" / "config.json").write_text("{}")
+    (src / "notes.txt").write_text("not checked")
+    inst = tmp_path / "site"
+    shutil.copytree(src, inst)
+    assert pkg.stale_files(inst, src) == []
+    (src / "assets" / "d" / "config.json").write_text('{"layers": 5}')  # a new drafter in the checkout
+    (src / "new.py").write_text("")
+    (src / "notes.txt").write_text("changed, but not a checked kind")
+    assert pkg.stale_files(inst, src) == ["assets/d/config.json", "new.py"]
