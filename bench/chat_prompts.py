@@ -118,23 +118,23 @@ def reasoning(rng: random.Random, topics: list[str]) -> str:
     a, b, c, d = rng.sample(NAMES, 4)
     n, m = rng.randint(3, 12), rng.randint(2, 9)
     kinds = [
-        f"{a} is taller than {b}, and {c} is shorter than {b}. {d} is taller than {a}. Who is the shortest? "
-        "Explain your reasoning step by step.",
+        (f"{a} is taller than {b}, and {c} is shorter than {b}. {d} is taller than {a}. Who is the shortest? "
+         "Explain your reasoning step by step."),
         f"In a race, {a} finished ahead of {b} but behind {c}. {d} finished last. What was the finishing order?",
-        f"If there are {n} people at a party and each person shakes hands with every other person exactly once, "
-        "how many handshakes are there?",
+        (f"If there are {n} people at a party and each person shakes hands with every other person exactly once, "
+         "how many handshakes are there?"),
         f"{a} has {n} more marbles than {b}. Together they have {2 * m + n + 10} marbles. How many does each have?",
         f"A farmer has {n * 3} animals, chickens and cows, with {n * 8} legs in all. How many of each are there?",
-        f"If it takes {m} machines {m} minutes to make {m} widgets, how long would it take {n * 10} machines "
-        f"to make {n * 10} widgets?",
-        f"{a} says: \"{b} is lying.\" {b} says: \"{c} is lying.\" {c} says: \"Both {a} and {b} are lying.\" "
-        "Who is telling the truth?",
-        f"A bat and a ball cost ${n}.10 in total. The bat costs ${n}.00 more than the ball. How much does the ball "
-        "cost?",
-        f"{a}'s father has {m + 2} children. {m + 1} of them are named {', '.join(rng.sample(NAMES, m + 1))}. "
-        "What is the name of the last child?",
-        f"Is the following argument valid? All {rng.choice(['artists', 'pilots', 'teachers'])} in the club are "
-        f"members of the choir. {a} is in the choir. Therefore {a} is an artist.",
+        (f"If it takes {m} machines {m} minutes to make {m} widgets, how long would it take {n * 10} machines "
+         f"to make {n * 10} widgets?"),
+        (f"{a} says: \"{b} is lying.\" {b} says: \"{c} is lying.\" {c} says: \"Both {a} and {b} are lying.\" "
+         "Who is telling the truth?"),
+        (f"A bat and a ball cost ${n}.10 in total. The bat costs ${n}.00 more than the ball. How much does the ball "
+         "cost?"),
+        (f"{a}'s father has {m + 2} children. {m + 1} of them are named {', '.join(rng.sample(NAMES, m + 1))}. "
+         "What is the name of the last child?"),
+        (f"Is the following argument valid? All {rng.choice(['artists', 'pilots', 'teachers'])} in the club are "
+         f"members of the choir. {a} is in the choir. Therefore {a} is an artist."),
         f"Facing north, {a} turns right, then right again, then left. Which direction is {a} facing now?",
     ]
     return rng.choice(kinds)
@@ -157,7 +157,7 @@ def school_math(rng: random.Random, topics: list[str]) -> str:
         f"A rectangle has a perimeter of {2 * (b + c)} and one side of length {b}. What is its area?",
         f"Find all real solutions of x^2 - {p + q}x + {p * q} = 0.",
         f"Simplify ({a}x^2 - {a * p * p}) / (x - {p}).",
-        f"Prove that the sum of two odd numbers is even.",
+        "Prove that the sum of two odd numbers is even.",
         f"What is {b}% of {c * 10}, and what percentage of {c} is {b}?",
     ]
     return rng.choice(kinds)
@@ -167,19 +167,19 @@ def _passage(rng: random.Random) -> str:
     co, city, n, name = rng.choice(COMPANIES), rng.choice(CITIES), rng.randint(20, 900), rng.choice(NAMES)
     yr = rng.randint(2015, 2025)
     kinds = [
-        f"In {yr}, {co}, based in {city}, reported revenue of ${n} million, up {rng.randint(2, 40)}% from the "
-        f"previous year. Its CEO, {name} {rng.choice(['Park', 'Silva', 'Novak', 'Okafor', 'Lindqvist'])}, said the "
-        f"growth came from new contracts in {rng.choice(CITIES)} and {rng.choice(CITIES)}.",
-        f"I bought {rng.choice(PRODUCTS)} last month for ${rng.randint(20, 400)}. The build quality is "
-        f"{rng.choice(['excellent', 'disappointing', 'decent'])}, but the battery "
-        f"{rng.choice(['lasts all day', 'died after a week', 'is only average'])}. I would rate it "
-        f"{rng.randint(1, 5)} out of 5. -- {name}, {city}",
-        f"Dear {name}, your order #{rng.randint(10000, 99999)} for {rng.choice(PRODUCTS)} has shipped from our "
-        f"{city} warehouse on {rng.choice(['March', 'June', 'October'])} {rng.randint(1, 28)} and should arrive "
-        f"within {rng.randint(2, 9)} days. Total charged: ${rng.randint(20, 400)}.{rng.randint(10, 99)}.",
-        f"The {city} marathon, held on {rng.choice(['April', 'May', 'September'])} {rng.randint(1, 28)}, {yr}, drew "
-        f"{n * 20} runners. {name} won the women's race in 2:{rng.randint(20, 45)}:{rng.randint(10, 59)}, while "
-        f"{rng.choice(NAMES)} took the men's title. Organizers raised ${n * 100} for local charities.",
+        (f"In {yr}, {co}, based in {city}, reported revenue of ${n} million, up {rng.randint(2, 40)}% from the "
+         f"previous year. Its CEO, {name} {rng.choice(['Park', 'Silva', 'Novak', 'Okafor', 'Lindqvist'])}, said the "
+         f"growth came from new contracts in {rng.choice(CITIES)} and {rng.choice(CITIES)}."),
+        (f"I bought {rng.choice(PRODUCTS)} last month for ${rng.randint(20, 400)}. The build quality is "
+         f"{rng.choice(['excellent', 'disappointing', 'decent'])}, but the battery "
+         f"{rng.choice(['lasts all day', 'died after a week', 'is only average'])}. I would rate it "
+         f"{rng.randint(1, 5)} out of 5. -- {name}, {city}"),
+        (f"Dear {name}, your order #{rng.randint(10000, 99999)} for {rng.choice(PRODUCTS)} has shipped from our "
+         f"{city} warehouse on {rng.choice(['March', 'June', 'October'])} {rng.randint(1, 28)} and should arrive "
+         f"within {rng.randint(2, 9)} days. Total charged: ${rng.randint(20, 400)}.{rng.randint(10, 99)}."),
+        (f"The {city} marathon, held on {rng.choice(['April', 'May', 'September'])} {rng.randint(1, 28)}, {yr}, drew "
+         f"{n * 20} runners. {name} won the women's race in 2:{rng.randint(20, 45)}:{rng.randint(10, 59)}, while "
+         f"{rng.choice(NAMES)} took the men's title. Organizers raised ${n * 100} for local charities."),
     ]
     return rng.choice(kinds)
 

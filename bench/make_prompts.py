@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code", type=int, default=4000, help="code prompts (at most; default 4000)")
     ap.add_argument("--chat", type=int, default=3000, help="chat prompts (default 3000)")
     ap.add_argument("--chat-kinds", type=int, default=0,
-                    help="prompts of the other chat kinds (bench/chat_prompts.py), a fourth file (default 0)")
+                    help="prompts of the other chat kinds (bench/chat_prompts.py), in chat-kinds.jsonl (default 0)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--packages", nargs="*", default=[],
                     help="installed packages whose functions make a third file, code-packages.jsonl")
