@@ -82,24 +82,23 @@ HUMANITIES_ASKS = [
     "How did {c} shape the modern world?", "What would a critic say about {c}, and how would a supporter answer?",
 ]
 
-SENTENCES = [
-    "The meeting has been moved to Thursday because the manager is travelling.",
-    "Our team finished the project two weeks ahead of schedule.", "The new park opened last spring near the river.",
-    "Many people prefer to read the news on their phones in the morning.",
-    "The museum will be closed for renovations until the end of the year.",
-    "She learned to play the violin when she was seven years old.",
-    "The company plans to hire fifty new engineers next year.", "It rained all weekend, so the festival was cancelled.",
-    "The recipe calls for two cups of flour and one egg.", "He forgot his umbrella at the train station again.",
-    "The library offers free language classes on Saturday mornings.",
-    "Prices at the local market have risen sharply this month.",
-    "The students presented their research to a panel of experts.",
-    "Our flight was delayed by three hours because of a storm.",
-    "The city council voted to add more bicycle lanes downtown.",
+SENTENCES = [  # (sentence, a phrase in it, that phrase made ungrammatical)
+    ("The meeting has been moved to Thursday because the manager is travelling.", "has been", "have been"),
+    ("Our team finished the project two weeks ahead of schedule.", "finished", "finish"),
+    ("The new park opened last spring near the river.", "opened", "open"),
+    ("Many people prefer to read the news on their phones in the morning.", "prefer", "prefers"),
+    ("The museum will be closed for renovations until the end of the year.", "will be", "will been"),
+    ("She learned to play the violin when she was seven years old.", "learned", "learn"),
+    ("The company plans to hire fifty new engineers next year.", "plans", "plan"),
+    ("It rained all weekend, so the festival was cancelled.", "was", "were"),
+    ("The recipe calls for two cups of flour and one egg.", "calls", "call"),
+    ("He forgot his umbrella at the train station again.", "forgot", "forgotten"),
+    ("The library offers free language classes on Saturday mornings.", "offers", "offer"),
+    ("Prices at the local market have risen sharply this month.", "have risen", "has rose"),
+    ("The students presented their research to a panel of experts.", "presented", "present"),
+    ("Our flight was delayed by three hours because of a storm.", "was delayed", "were delay"),
+    ("The city council voted to add more bicycle lanes downtown.", "voted", "vote"),
 ]
-ERRORS = [("has been", "have been"), ("finished", "finish"), ("opened", "open"), ("prefer", "prefers"),
-          ("will be", "will been"), ("learned", "learn"), ("plans", "plan"), ("was", "were"),
-          ("calls", "call"), ("forgot", "forgotten"), ("offers", "offer"), ("have risen", "has rose"),
-          ("presented", "present"), ("was delayed", "were delay"), ("voted", "vote")]
 REWRITE_ASKS = [
     "Rewrite the following text in a more formal tone:\n{x}", "Make this text shorter without losing meaning:\n{x}",
     "Rewrite the following as a friendly message to a friend:\n{x}", "Turn the following into a short news item:\n{x}",
@@ -206,11 +205,9 @@ def stem_or_humanities(rng: random.Random, topics: list[str]) -> str:
 def rewriting(rng: random.Random, topics: list[str]) -> str:
     picks = rng.sample(range(len(SENTENCES)), rng.randint(2, 4))
     ask = rng.choice(REWRITE_ASKS)
-    if "error" in ask or "Proofread" in ask:
-        x = " ".join(SENTENCES[i].replace(*ERRORS[i], 1) for i in picks)
-    else:
-        x = " ".join(SENTENCES[i] for i in picks)
-    return ask.format(x=x)
+    errors = "error" in ask or "Proofread" in ask
+    picked = [SENTENCES[i] for i in picks]
+    return ask.format(x=" ".join(s.replace(good, bad, 1) if errors else s for s, good, bad in picked))
 
 
 KINDS = [role_play, reasoning, school_math, extraction, stem_or_humanities, rewriting]
