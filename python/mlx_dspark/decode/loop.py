@@ -129,13 +129,15 @@ def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None,
             res.logprobs.extend(acceptor.token_logprobs(rows[: len(kept)], kept, history))
         res.tokens.extend(kept)
         history.extend(kept)
-        if res.finish_reason == "stop":
-            return True
+        # Hand the kept tokens on before anything ends generation: a round that accepts drafts
+        # and then a stop token still owes its drafts to the text.
         if kept and on_tokens is not None:
             verdict = on_tokens(kept)
             if verdict:
                 res.finish_reason = "cancelled" if verdict == "cancel" else "stop"
                 return True
+        if res.finish_reason == "stop":
+            return True
         if len(res.tokens) >= max_new_tokens:
             res.finish_reason = "length"
             return True
