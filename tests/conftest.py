@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,36 @@ except ImportError:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Tests never touch the user's cache. The demo GGUF, where the user has one, is read in place
+# (by path); everything the tests convert or write goes into a temporary cache, subprocesses too.
+from mlx_dspark.models import demo as _demo  # noqa: E402
+from mlx_dspark.models.gguf import cache_root as _cache_root  # noqa: E402
+
+USER_CACHE = _cache_root()
+_found = _demo.find_demo_gguf()
+if _found is not None:
+    os.environ[_demo.ENV_PATH] = str(_found[0])
+os.environ["MLX_DSPARK_CACHE"] = tempfile.mkdtemp(prefix="mlx-dspark-test-cache-")
+
+
+def _listing(root: Path) -> dict:
+    if not root.exists():
+        return {}
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+
+
+_USER_CACHE_BEFORE = _listing(USER_CACHE)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when any test wrote into the user's cache."""
+    after = _listing(USER_CACHE)
+    changed = sorted(set(after.items()) ^ set(_USER_CACHE_BEFORE.items()))
+    if changed:
+        names = sorted({k for k, _ in changed})[:5]
+        print(f"\nthe tests changed the user's cache {USER_CACHE}: {names}", file=sys.stderr)
+        session.exitstatus = 1
 
 
 @pytest.fixture(scope="session")

@@ -128,7 +128,7 @@ def test_choices_and_bad_input(tmp_path):
     with pytest.raises(UserError, match="outside the target's vocabulary"):
         dv.select(folder, "auto", 10)
     for bad in ("most", "-3", "1.5"):
-        with pytest.raises(UserError, match="--draft-vocab"):
+        with pytest.raises(UserError, match="draft_vocab="):  # Python names no CLI flag
             dv.parse_choice(bad)
     (folder / dv.FILE).write_text('{"ids": [1, 1], "counts": [2, 1]}')
     with pytest.raises(UserError, match="repeat"):
@@ -148,5 +148,10 @@ def test_cli_flag(tmp_path, capsys):
     assert main(args + ["--draft-vocab", "lots"]) == 2
     err = capsys.readouterr().err
     assert "--draft-vocab must be auto, full or a token count" in err and "Traceback" not in err
+    # auto with a registry-less target must refuse a bad value too, not fall back to lookup
+    auto = ["generate", "--model", str(ws["target_perm"]), "--prompt", "a b c", "--max-new-tokens", "8"]
+    assert main(auto + ["--draft-vocab", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft-vocab must be auto, full or a token count, got 'foo'" in err and "Traceback" not in err
     assert main(args + ["--draft-vocab", "40"]) == 0
     assert main(args + ["--draft-vocab", "full"]) == 0

@@ -169,7 +169,7 @@ def test_refuse_unsupported_variants(tmp_path):
 
 def test_mode_and_kind_must_agree():
     ws = workspace()
-    with pytest.raises(UserError, match="--mode dspark needs a dspark checkpoint.*is a dflash drafter"):
+    with pytest.raises(UserError, match="mode='dspark' needs a dspark checkpoint.*is a dflash drafter"):
         resolve_drafter(_tq(), mode="dspark", drafter=str(ws["dflash_zlab"]), bits=16)
     with pytest.raises(UserError, match="no dspark drafter is registered"):
         resolve_drafter(_tq(), mode="dspark", drafter=None)

@@ -343,19 +343,19 @@ def test_cache_reuses_conversion_and_tracks_the_file(tmp_path, monkeypatch):
     a = G.convert_gguf_cached(src, dtype="float32", quantize=None)
     assert a.parent == tmp_path / "cache" / "gguf"
     calls = []
-    monkeypatch.setattr(G, "convert_gguf", lambda *a, **k: calls.append(1))
-    t = time.perf_counter()
-    assert G.convert_gguf_cached(src, dtype="float32", quantize=None) == a
-    assert time.perf_counter() - t < 1.0 and not calls
+    with monkeypatch.context() as patched:  # only the converter is stubbed; the cache stays in tmp_path
+        patched.setattr(G, "convert_gguf", lambda *a, **k: calls.append(1))
+        t = time.perf_counter()
+        assert G.convert_gguf_cached(src, dtype="float32", quantize=None) == a
+        assert time.perf_counter() - t < 1.0 and not calls
     q = G.cache_dir_for(src, "float32", 4)
     assert q != a and "q4" in q.name
-    monkeypatch.undo()
     index = json.loads((tmp_path / "cache" / "gguf" / "hashes.json").read_text())
     assert index[str(src.resolve())]["sha256"] == json.loads((a / G.SOURCE_FILE).read_text())["sha256"]
     write_gguf(src, original_weights(seed=16), {n: QT.Q4_0 for n in ALL})  # new content, same path
     os.utime(src, ns=(time.time_ns(), time.time_ns() + 10**9))
     b = G.convert_gguf_cached(src, dtype="float32", quantize=None)
-    assert b != a and b.exists()
+    assert b != a and b.exists() and b.parent == tmp_path / "cache" / "gguf"
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -400,9 +400,9 @@ def test_unsupported_quant_type_is_named(tmp_path):
 
 def test_bad_options(tmp_path):
     src = _small(tmp_path)
-    with pytest.raises(UserError, match="--dtype"):
+    with pytest.raises(UserError, match="dtype="):
         G.convert_gguf(src, tmp_path / "o1", dtype="float64")
-    with pytest.raises(UserError, match="--quantize"):
+    with pytest.raises(UserError, match="quantize="):
         G.convert_gguf(src, tmp_path / "o2", quantize=3)
     with pytest.raises(UserError, match="does not exist"):
         G.convert_gguf_cached(tmp_path / "missing.gguf")

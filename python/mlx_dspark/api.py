@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from .decode import loop
 from .decode.modes import DEFAULT_MAX_DRAFT, make_proposer
 from .decode.sampling import SamplingParams
-from .errors import UserError
+from .errors import UserError, option
 from .models.loading import load_target
 from .models.target import Target
 
@@ -67,7 +69,7 @@ def encode_prompt(tokenizer, prompt, *, chat_template: bool = True, enable_think
     """Token ids of `prompt` (a string or a list of chat messages), through the chat template
     when the tokenizer has one and `chat_template` is on."""
     if isinstance(prompt, str) and not prompt:
-        raise UserError("the prompt is empty: pass some text with --prompt")
+        raise UserError(f"the prompt is empty: pass some text with {option('prompt')}")
     if not prompt:
         raise UserError("the prompt is empty")
     has_template = getattr(tokenizer, "chat_template", None) is not None
@@ -165,14 +167,46 @@ def stop_token_ids(target: Target, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+_registered: "weakref.WeakKeyDictionary[Target, dict]" = weakref.WeakKeyDictionary()
+
+
+def drafter_for(target: Target, mode: str = "auto", drafter=None, *, bits: int | None = None,
+                draft_vocab="auto"):
+    """The drafter that `mode` runs with on `target`, resolved as the CLI resolves it.
+
+    `drafter`: a loaded drafter (returned as is), a repo id or folder (loaded), or None: the
+    registered drafter of the target, loaded once per target and settings. None is returned for
+    baseline and lookup, and for auto when no drafter is registered (auto then runs lookup)."""
+    if drafter is not None and not isinstance(drafter, (str, os.PathLike)):
+        return drafter
+    from .models.drafters import resolve_drafter
+
+    if drafter is not None or mode not in ("auto", "dspark", "dflash"):
+        return resolve_drafter(target, mode=mode, drafter=str(drafter) if drafter is not None else None,
+                               bits=bits, draft_vocab=draft_vocab)
+    known = _registered.setdefault(target, {})
+    key = (mode, bits, str(draft_vocab))
+    if key not in known:
+        defaults = bits is None and str(draft_vocab) == "auto"
+        earlier = [d for (m, _, _), d in known.items() if m == mode] if defaults else []
+        # Default settings take the drafter already resolved for this mode (the CLI resolved it
+        # with its flags); anything else loads it as asked.
+        known[key] = earlier[0] if earlier else resolve_drafter(target, mode=mode, bits=bits,
+                                                                 draft_vocab=draft_vocab)
+    return known[key]
+
+
 def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None, proposer=None,
              max_new_tokens: int = 256, max_draft: int | None = None, sampling: SamplingParams | None = None,
              stop: Sequence[str] = (), chat_template: bool = True, enable_thinking: bool | None = None,
              on_text: Callable[[str], None] | None = None, cancel: Callable[[], bool] | None = None,
              lookup_long_draft: int = 32, prompt_ids: Sequence[int] | None = None,
-             keep_leading_space: bool = False, **drafter_options) -> GenerationResult:
+             keep_leading_space: bool = False, drafter_bits: int | None = None, draft_vocab="auto",
+             **drafter_options) -> GenerationResult:
     """Generate from `prompt` (text or chat messages; or pass `prompt_ids`) with the given mode.
 
+    `mode="auto"` runs the target's registered DSpark (else DFlash) drafter, else lookup, as the
+    CLI does; `drafter` may be a loaded drafter, a repo id or a folder (`drafter_for`).
     Output tokens equal plain greedy decoding of `target` at temperature 0, and are an exact
     sample of it at temperature > 0, whatever the mode."""
     if max_new_tokens is None or int(max_new_tokens) < 1:
@@ -184,6 +218,7 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
     if not ids:
         raise UserError("the prompt encodes to no tokens")
     if proposer is None:
+        drafter = drafter_for(target, mode, drafter, bits=drafter_bits, draft_vocab=draft_vocab)
         proposer = make_proposer(mode, drafter=drafter, lookup_long_draft=lookup_long_draft, **drafter_options)
     resolved_mode = proposer.name
     if max_draft is None or max_draft == 0:
@@ -194,7 +229,7 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
             # capped at the block by the proposer itself). An explicit --max-draft is a cap.
             max_draft = max(max_draft, lookup_long_draft)
     if max_draft < 0:
-        raise UserError(f"--max-draft must be >= 0, got {max_draft}")
+        raise UserError(f"{option('max-draft')} must be >= 0, got {max_draft}")
     stream = TextStream(tokenizer, stop, on_text, keep_leading_space=keep_leading_space)
 
     def on_tokens(new: list[int]):
@@ -208,16 +243,34 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
                    sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer), on_tokens=on_tokens,
                    should_cancel=cancel)
     text = stream.finish()
-    tokens, logprobs = res.tokens, res.logprobs
+    stats = dict(res.proposer_stats)
+    if res.speculation_off:
+        stats.update(speculation_off=res.speculation_off, speculation_off_at_token=res.speculation_off_at)
+        if not any(res.drafted):
+            resolved_mode = "baseline"  # what actually ran
+    tokens, logprobs, accept_lengths = res.tokens, res.logprobs, res.accept_lengths
     if stream.stop_token_index is not None:
         res.finish_reason = "stop"
         tokens = tokens[: stream.stop_token_index + 1]
         logprobs = logprobs[: len(tokens)] if logprobs is not None else None
+        accept_lengths = _rounds_within(accept_lengths, len(tokens))
     return GenerationResult(text=text, tokens=tokens, prompt_tokens=res.prompt_tokens,
-                            accept_lengths=res.accept_lengths, finish_reason=res.finish_reason,
+                            accept_lengths=accept_lengths, finish_reason=res.finish_reason,
                             prefill_s=res.prefill_s, decode_s=res.decode_s, mode=resolved_mode,
-                            model=target.name, logprobs=logprobs, stats=res.proposer_stats,
+                            model=target.name, logprobs=logprobs, stats=stats,
                             stop_string=stream.stop_string)
+
+
+def _rounds_within(accept_lengths: list[int], n_tokens: int) -> list[int]:
+    """The per-round commit counts of the first `n_tokens` tokens (a stop string cut the rest;
+    the first token comes from prefill and belongs to no round)."""
+    out, have = [], 1
+    for n in accept_lengths:
+        if have >= n_tokens:
+            break
+        out.append(min(n, n_tokens - have))
+        have += out[-1]
+    return out
 
 
 def stream_generate(target: Target, tokenizer, prompt, **kwargs) -> Iterator[str | GenerationResult]:
@@ -250,4 +303,4 @@ def stream_generate(target: Target, tokenizer, prompt, **kwargs) -> Iterator[str
         th.join()
 
 
-__all__ = ["GenerationResult", "generate", "stream_generate", "load_target", "encode_prompt", "SamplingParams"]
+__all__ = ["GenerationResult", "drafter_for", "generate", "stream_generate", "load_target", "encode_prompt", "SamplingParams"]

@@ -6,7 +6,6 @@ import argparse
 
 from ..decode.modes import MODES
 from ..decode.sampling import SamplingParams
-from ..errors import UserError
 
 
 def int_at_least(low: int):
@@ -84,17 +83,10 @@ def load_from_args(args, *, probe: bool = True):
         model = str(demo_model_path())
     target, tokenizer = load_target(model, dtype=args.dtype, quantize=args.quantize, kv_bits=args.kv_bits,
                                     probe=probe)
-    drafter = None
-    if args.mode in ("auto", "dspark", "dflash"):
-        try:
-            from ..models.drafters import resolve_drafter
-        except ImportError:
-            resolve_drafter = None
-        if resolve_drafter is not None:
-            drafter = resolve_drafter(target, mode=args.mode, drafter=args.drafter, bits=args.drafter_bits,
-                                      draft_vocab=getattr(args, "draft_vocab", "auto"))
-        elif args.mode != "auto" or args.drafter:
-            raise UserError(f"--mode {args.mode} / --drafter need drafter support, which this build lacks")
+    from ..api import drafter_for
+
+    drafter = drafter_for(target, args.mode, args.drafter, bits=args.drafter_bits,
+                          draft_vocab=getattr(args, "draft_vocab", "auto"))
     return target, tokenizer, drafter
 
 

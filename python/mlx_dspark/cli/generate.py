@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, accept lengths, timings")
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="with --json: logprobs of committed tokens and the N most likely alternatives")
+                   help="logprobs of the committed tokens and the N most likely alternatives: in the JSON "
+                        "object with --json, else a table on stderr after the text")
 
 
 def run(args) -> int:
@@ -59,7 +60,20 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         print(res.text)
+    if res.logprobs is not None:
+        print_logprobs(res.logprobs, tokenizer, file=sys.stderr)
     print(f"[{res.mode}] {len(res.tokens)} tokens, mean accept {res.mean_accept_len:.2f}, "
           f"prefill {res.prefill_s * 1000:.0f} ms, decode {res.decode_tps:.1f} tok/s, "
           f"end-to-end {res.e2e_tps:.1f} tok/s", file=sys.stderr)
     return 0
+
+
+def print_logprobs(entries: list[dict], tokenizer, file) -> None:
+    """One line per committed token: its text, its logprob and the alternatives asked for."""
+    def show(t: int) -> str:
+        return json.dumps(tokenizer.decode([t]), ensure_ascii=False)
+
+    print("logprobs (token, logprob, top alternatives):", file=file)
+    for e in entries:
+        alts = "  ".join(f"{show(t)} {lp:.3f}" for t, lp in e.get("top", []))
+        print(f"{show(e['token'])}\t{e['logprob']:.3f}" + (f"\t{alts}" if alts else ""), file=file)

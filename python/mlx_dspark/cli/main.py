@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from ..errors import UserError
+from ..errors import UserError, use_cli_names
 
 # name -> module under mlx_dspark.cli exposing add_parser(subparsers) and run(args) -> int
 SUBCOMMANDS = {
@@ -54,6 +54,14 @@ COMPUTE_COMMANDS = {"generate", "serve", "benchmark", "distill"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    previous = use_cli_names(True)
+    try:
+        return _main(argv)
+    finally:
+        use_cli_names(previous)
+
+
+def _main(argv: list[str] | None) -> int:
     from_shell = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     # The old flat form `mlx-dspark --model M --prompt P` maps to `generate`.

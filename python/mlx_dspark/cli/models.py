@@ -32,7 +32,30 @@ def _demo_line(d: dict) -> str:
     return f"{line}, not fetched yet" + (f" ({d['fetch']})" if d.get("fetch") else "")
 
 
+WIDTH = 100  # the table fits a 100-column terminal; long cells wrap under their row
+
+
+def _drafter_cell(path: str) -> str:
+    """A drafter shipped inside the package shows as `package: NAME`, not as a long local path."""
+    from pathlib import Path
+
+    from ..models.registry import SMOLLM2_DSPARK
+
+    return f"package: {Path(path).name}" if path == SMOLLM2_DSPARK else path
+
+
+def _demo_drafter(demo: dict) -> str:
+    from ..models.registry import pairs_for_name
+
+    pairs = pairs_for_name(str(demo.get("name", "")))
+    if not pairs:
+        return "no drafter registered (auto = lookup)"
+    return f"its registered {pairs[0].kind} drafter runs in auto mode ({_drafter_cell(pairs[0].drafter)})"
+
+
 def run(args) -> int:
+    import textwrap
+
     from ..models.registry import table
 
     rows = table()
@@ -40,20 +63,26 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"pairs": rows, "demo": demo}, ensure_ascii=False))
         return 0
-    cols = [("target", "target"), ("mode", "mode"), ("drafter", "drafter"), ("publisher", "publisher"),
-            ("drafts", "drafts_per_round"), ("measured by us", "measured")]
-    blank = {"drafts_per_round": "config", "measured": "not yet"}
-    cells = [[str(r[k]) if r[k] is not None else blank.get(k, "") for _, k in cols] for r in rows]
+    cols = [("target", "target"), ("mode", "mode"), ("drafts", "drafts_per_round"), ("drafter", "drafter"),
+            ("publisher", "publisher")]
+    cells = [[r["target"], r["mode"], str(r["drafts_per_round"] or "config"), _drafter_cell(r["drafter"]),
+              r["publisher"].split(" (")[0]] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(cols)]
-    print("  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)))
+    print("  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)).rstrip())
     print("  ".join("-" * w for w in widths))
     for c, r in zip(cells, rows):
-        line = "  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip()
-        print(line + (f"  ({r['note']})" if r["note"] else ""))
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
+        for label, key in (("measured", "measured"), ("note", "note")):
+            if r[key]:
+                print(textwrap.fill(f"{label}: {r[key]}", WIDTH, initial_indent="    ", subsequent_indent="      "))
     if any(r["measured"] is None for r in rows):
-        print("\nNot yet measured: pairs published by DeepSeek / z-lab, to be measured with `mlx-dspark benchmark`.")
-    print("Any -4bit / -8bit / bf16 repo of a listed target resolves the same drafter. "
-          "--drafter REPO_OR_DIR runs any other compatible DSpark / DFlash checkpoint.")
+        print(textwrap.fill("Rows without a 'measured' line are pairs published by DeepSeek / z-lab, not yet "
+                            "measured by us (`mlx-dspark benchmark --json` measures one).", WIDTH))
+    print(textwrap.fill("Any -4bit / -8bit / bf16 repo of a listed target resolves the same drafter. "
+                        "--drafter REPO_OR_DIR runs any other compatible DSpark / DFlash checkpoint.", WIDTH))
     if demo is not None:
-        print(f"demo model (used when --model is omitted): {_demo_line(demo)}; no drafter registered (auto = lookup)")
+        line = f"demo model (used when --model is omitted): {_demo_line(demo)}"
+        if "name" in demo:
+            line += f"; {_demo_drafter(demo)}"
+        print(textwrap.fill(line, WIDTH, subsequent_indent="    "))
     return 0

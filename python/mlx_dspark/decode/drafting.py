@@ -30,7 +30,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..errors import UserError
+from ..errors import UserError, option
 from ..models.dspark import confident_prefix
 from .lookup import NgramIndex
 from .proposers import Draft, Proposer
@@ -57,9 +57,9 @@ def _lazy_argmax(sampling) -> bool:
 class DrafterProposer(Proposer):
     def __init__(self, drafter, *, confidence_threshold: float = 0.0, lookup_drafts: bool = True):
         if confidence_threshold < 0 or confidence_threshold >= 1:
-            raise UserError(f"--confidence-threshold must be in [0, 1), got {confidence_threshold}")
+            raise UserError(f"{option('confidence-threshold')} must be in [0, 1), got {confidence_threshold}")
         if confidence_threshold > 0 and getattr(drafter, "conf_head", None) is None:
-            raise UserError(f"--confidence-threshold needs a drafter with a confidence head; "
+            raise UserError(f"{option('confidence-threshold')} needs a drafter with a confidence head; "
                             f"{drafter.source} ({drafter.packaging}) has none")
         self.drafter = drafter
         self.name = drafter.kind

@@ -16,6 +16,7 @@ A plain step's output token is "pending": computed lazily, committed when read b
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -42,6 +43,28 @@ class LoopResult:
     prompt_tokens: int = 0
     logprobs: list[dict] | None = None
     proposer_stats: dict = field(default_factory=dict)
+    # Why drafting stopped (the target's cache could not be rolled back), and after how many
+    # tokens; None while speculation ran (or was never asked for).
+    speculation_off: str | None = None
+    speculation_off_at: int | None = None
+
+
+_warned: set[str] = set()
+
+
+def _drafts(proposer: Proposer) -> bool:
+    return type(proposer).propose is not Proposer.propose
+
+
+def _switch_off(res: LoopResult, target: Target, cache: list) -> None:
+    """Speculation cannot run on this cache: say so once per process and reason, record it."""
+    kinds = ", ".join(sorted({type(c).__name__ for c in cache}))
+    res.speculation_off = (f"{target.model_type}: its cache ({kinds}) cannot be rolled back here, "
+                           "so this generation decodes plainly")
+    res.speculation_off_at = len(res.tokens)
+    if res.speculation_off not in _warned:
+        _warned.add(res.speculation_off)
+        print(f"mlx-dspark: warning: {res.speculation_off}", file=sys.stderr)
 
 
 # on_tokens(new_token_ids) -> "stop" | "cancel" | None. Called once per commit, in order.
@@ -93,6 +116,10 @@ def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None,
     history = list(prompt)
     cache = cache if cache is not None else target.make_cache()
     taps = tuple(proposer.taps)
+    speculate = _drafts(proposer)
+    if speculate and not target.can_trim(cache, 1):
+        _switch_off(res, target, cache)  # no drafts and no taps from the start: plain decoding
+        speculate, taps = False, ()
 
     t0 = time.perf_counter()
     logits, prompt_hidden = _prefill(target, cache, prompt, taps, should_cancel)
@@ -104,7 +131,8 @@ def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None,
     pending_row = logits[None] if sampling.logprobs else None
     pending_is_round = False  # the first token after prefill is not a round
     mx.async_eval(pending)
-    proposer.begin(target, prompt, prompt_hidden)
+    if speculate:
+        proposer.begin(target, prompt, prompt_hidden)
     mx.eval(pending)
     res.prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -149,7 +177,7 @@ def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None,
     while not done:
         remaining = max_new_tokens - len(res.tokens)
         plain = (pending is not None and acceptor.lazy_ok and remaining > 1
-                 and not proposer.wants_round(history))
+                 and not (speculate and proposer.wants_round(history)))
         if plain:
             # Pipelined plain step: enqueue the forward of the pending token, then read it back.
             out = target.forward(pending.reshape(1, 1), cache, taps=taps)
@@ -177,7 +205,10 @@ def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None,
         anchor = history[-1]
         k = min(max_draft, max_new_tokens - len(res.tokens) - 1)
         draft = Draft()
-        if k > 0 and target.can_trim(cache, k):
+        if k > 0 and speculate and not target.can_trim(cache, k):
+            _switch_off(res, target, cache)  # e.g. a sliding window that has filled up
+            speculate, taps = False, ()
+        if k > 0 and speculate:
             draft = proposer.propose(history, k, sampling)
             draft.tokens = [int(t) for t in draft.tokens[:k]]
             if draft.q is not None:

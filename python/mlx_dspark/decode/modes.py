@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import UserError
+from ..errors import UserError, option
 from .lookup import LookupProposer
 from .proposers import Proposer
 
@@ -13,7 +13,7 @@ DEFAULT_MAX_DRAFT = {"baseline": 0, "lookup": 32}
 def make_proposer(mode: str, *, drafter=None, lookup_long_draft: int = 32, **drafter_options) -> Proposer:
     """Build the Proposer for `mode`. `drafter` is a loaded drafter (models/dspark.py, dflash.py)."""
     if mode not in MODES:
-        raise UserError(f"unknown --mode {mode!r}: choose one of {', '.join(MODES)}")
+        raise UserError(f"unknown {option('mode', mode)}: choose one of {', '.join(MODES)}")
     if mode == "auto":
         mode = drafter.kind if drafter is not None else "lookup"
     if mode == "baseline":
@@ -21,6 +21,6 @@ def make_proposer(mode: str, *, drafter=None, lookup_long_draft: int = 32, **dra
     if mode == "lookup":
         return LookupProposer(long_draft=lookup_long_draft)
     if drafter is None:
-        raise UserError(f"--mode {mode} needs a drafter: pass --drafter REPO_OR_DIR "
+        raise UserError(f"{option('mode', mode)} needs a drafter: pass {option('drafter')} REPO_OR_DIR "
                         "(or use --mode auto, which falls back to lookup for targets without one)")
     return drafter.proposer(**drafter_options)

@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, option
 from .drafter_backbone import BackboneConfig
 
 DEEPSPEC_ARCHS = {"Qwen3DSparkModel": "qwen3", "Gemma4DSparkModel": "gemma4"}
@@ -78,7 +78,7 @@ def resolve_checkpoint(source: str) -> Path:
     """A local folder as is; otherwise an HF repo id, downloaded (config, weights, and any
     Python files, so that a repo shipping code can be recognised and refused)."""
     if not source or not str(source).strip():
-        raise UserError("--drafter is empty: pass a drafter folder or an HF repo id")
+        raise UserError(f"{option('drafter')} is empty: pass a drafter folder or an HF repo id")
     p = Path(source).expanduser()
     if p.exists():
         if not p.is_dir() or not (p / "config.json").exists():
@@ -93,7 +93,7 @@ def resolve_checkpoint(source: str) -> Path:
         return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.py"]))
     except Exception as e:  # network, auth, missing repo
         raise UserError(f"could not fetch drafter {source!r} from the Hugging Face hub "
-                        f"({type(e).__name__}: {e}); pass a local folder with --drafter") from None
+                        f"({type(e).__name__}: {e}); pass a local folder with {option('drafter')}") from None
 
 
 def read_config(path: Path) -> dict:
@@ -137,6 +137,39 @@ def read_weights(path: Path) -> dict:
     return weights
 
 
+def safetensors_header(f: Path) -> dict:
+    """The header of a safetensors file, checked against the file's size: a file that is cut
+    short or is not safetensors at all is refused in one line, before anything reads its data."""
+    def broken(why: str) -> UserError:
+        return UserError(f"{f} is truncated or corrupt ({why}): download it again")
+
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise broken(f"{size} bytes, shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise broken(f"its header claims {n} bytes but the file has {size}")
+            header = json.loads(fh.read(n))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise broken(f"{type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise broken("its header is not a JSON object")
+    end = max((int(m["data_offsets"][1]) for k, m in header.items()
+               if k != "__metadata__" and isinstance(m, dict) and "data_offsets" in m), default=0)
+    if 8 + n + end > size:
+        raise broken(f"its tensors need {8 + n + end} bytes but the file has {size}")
+    return header
+
+
+def check_safetensors(folder: Path) -> None:
+    """Every *.safetensors file of a model folder is whole (see safetensors_header)."""
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        safetensors_header(f)
+
+
 def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in the folder's safetensors files (headers only); a stored-
     quantized tensor is reported with its dequantized shape, as `read_weights` returns it."""
@@ -145,12 +178,7 @@ def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         raise UserError(f"drafter {path} has no *.safetensors weights")
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"drafter weights {f.name} are not a valid safetensors file ({e})") from None
+        header = safetensors_header(f)
         for name, meta in header.items():
             if name == "__metadata__":
                 continue
@@ -248,6 +276,23 @@ def _rope_params(cfg: dict, style: str) -> tuple[str, float, float, dict]:
 SUPPORTED_ROPE = {"default", "proportional", "linear", "llama3", "yarn", "dynamic"}
 
 
+def _check_config_fields(cfg: dict, style: str, *, hidden: int, inter: int, head_dim: int, heads: int,
+                         kv_heads: int) -> None:
+    """The architecture is read from the tensors; a config field that says otherwise is refused,
+    naming the field (strict 1:1 loading: neither the config nor the tensors is silently wrong).
+    Gemma 4 drafters use the global head size and KV heads, and ignore head_dim / num_key_value_heads."""
+    fields = {"hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads}
+    if style == "gemma4":
+        fields.update(global_head_dim=head_dim, num_global_key_value_heads=kv_heads)
+    else:
+        fields.update(head_dim=head_dim, num_key_value_heads=kv_heads)
+    for name, derived in fields.items():
+        stated = cfg.get(name)
+        if stated is not None and int(stated) != derived:
+            raise UserError(f"drafter config says {name}={stated} but its tensors give {derived}; "
+                            "the checkpoint is inconsistent: download it again or fix config.json")
+
+
 def build_spec(path: Path, cfg: dict, shapes: dict, source: str = "") -> DrafterSpec:
     packaging = detect_packaging(cfg)
     check_remote_code(path, cfg, packaging)
@@ -282,6 +327,7 @@ def build_spec(path: Path, cfg: dict, shapes: dict, source: str = "") -> Drafter
     if style == "gemma4" and bool(cfg.get("attention_k_eq_v", k_eq_v)) != k_eq_v:
         raise UserError(f"drafter config says attention_k_eq_v={cfg.get('attention_k_eq_v')} but the weights "
                         f"{'lack' if k_eq_v else 'have'} v_proj")
+    _check_config_fields(cfg, style, hidden=H, inter=inter, head_dim=hd, heads=q_rows // hd, kv_heads=k_rows // hd)
     rtype, theta, partial, scaling = _rope_params(cfg, style)
     if rtype not in SUPPORTED_ROPE:
         raise UserError(f"drafter RoPE type {rtype!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ROPE))})")

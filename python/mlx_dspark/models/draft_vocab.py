@@ -26,14 +26,15 @@ from typing import Callable, Iterable
 
 import mlx.core as mx
 
-from ..errors import UserError
+from ..errors import UserError, option
 
 FILE = "draft_vocab.json"
 AUTO_COVERAGE = 0.995
 
 
-def parse_choice(value, flag: str = "--draft-vocab") -> int | str:
+def parse_choice(value, flag: str | None = None) -> int | str:
     """--draft-vocab (or distill's --train-vocab): 'auto', 'full' (= 0) or a positive count."""
+    flag = flag or option("draft-vocab")
     if value is None:
         return "auto"
     if isinstance(value, int):
@@ -90,8 +91,8 @@ def select(folder: Path, choice, vocab_size: int) -> list[int] | None:
     if ranked is None:
         if choice == "auto":
             return None
-        raise UserError(f"--draft-vocab {choice} needs a token ranking ({FILE}) beside the drafter's config.json; "
-                        f"{folder} has none (`mlx-dspark distill` writes one). Use --draft-vocab full")
+        raise UserError(f"{option('draft-vocab', choice)} needs a token ranking ({FILE}) beside the drafter's config.json; "
+                        f"{folder} has none (`mlx-dspark distill` writes one). Use {option('draft-vocab', 'full')}")
     ids, counts = ranked
     if any(not 0 <= t < vocab_size for t in ids):
         raise UserError(f"{Path(folder) / FILE} holds token ids outside the target's vocabulary ({vocab_size})")

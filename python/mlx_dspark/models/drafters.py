@@ -23,7 +23,7 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import UserError
+from ..errors import UserError, option
 from . import registry
 from .checkpoints import (DrafterSpec, build_spec, check_target, check_tensors, read_config, read_weights,
                           resolve_checkpoint, tensor_shapes)
@@ -134,7 +134,7 @@ def load_drafter(source: str, target, *, bits: int | None = None, draft_vocab="a
     if bits is None:
         bits = auto_bits()
     if bits not in (4, 8, 16):
-        raise UserError(f"--drafter-bits must be 4, 8 or 16, got {bits}")
+        raise UserError(f"{option('drafter-bits')} must be 4, 8 or 16, got {bits}")
     path = resolve_checkpoint(source)
     spec: DrafterSpec = build_spec(path, read_config(path), tensor_shapes(path), source=str(source))
     check_target(spec, target)
@@ -176,15 +176,22 @@ def resolve_drafter(target, mode: str = "auto", drafter: str | None = None,
     (or baseline / lookup) without a usable registered drafter."""
     if mode in ("baseline", "lookup"):
         if drafter:
-            _warn(f"--drafter is not used with --mode {mode}")
+            _warn(f"{option('drafter')} is not used with {option('mode', mode)}")
         return None
     if mode not in ("auto", "dspark", "dflash"):
         raise UserError(f"unknown mode {mode!r}")
+    # Bad settings are errors here, before the registry: auto must not swallow them as a
+    # "registered drafter could not be loaded" and fall back to lookup.
+    from . import draft_vocab as dv
+
+    dv.parse_choice(draft_vocab)
+    if bits not in (None, 4, 8, 16):
+        raise UserError(f"{option('drafter-bits')} must be 4, 8 or 16, got {bits}")
     if drafter:
         d = load_drafter(drafter, target, bits=bits, draft_vocab=draft_vocab)
         if mode != "auto" and d.kind != mode:
-            raise UserError(f"--mode {mode} needs a {mode} checkpoint, but {drafter} is a {d.kind} drafter "
-                            f"({d.packaging}); use --mode {d.kind} or --mode auto")
+            raise UserError(f"{option('mode', mode)} needs a {mode} checkpoint, but {drafter} is a {d.kind} drafter "
+                            f"({d.packaging}); use {option('mode', d.kind)} or {option('mode', 'auto')}")
         return d
     kinds = ("dspark", "dflash") if mode == "auto" else (mode,)
     failures = []
@@ -201,7 +208,7 @@ def resolve_drafter(target, mode: str = "auto", drafter: str | None = None,
     if mode == "auto":
         return None
     name = getattr(target, "source", "") or getattr(target, "name", "") or "this target"
-    raise UserError(f"--mode {mode}: no {mode} drafter is registered for {name}; pass one with --drafter "
+    raise UserError(f"{option('mode', mode)}: no {mode} drafter is registered for {name}; pass one with {option('drafter')} "
                     "REPO_OR_DIR (`mlx-dspark models` lists the registered pairs)")
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
+from ..errors import UserError, option
 from . import gguf_arch as archs
 from . import gguf_quant as gq
 from .gguf_reader import GGUFFile
@@ -131,9 +131,9 @@ def _validate_folder(folder: Path, source: str) -> None:
 
 def _check_options(dtype: str, quantize: int | None) -> int | None:
     if dtype not in DTYPE_NAMES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+        raise UserError(f"{option('dtype')} must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
     if quantize not in (None, 0, 4, 8):
-        raise UserError(f"--quantize must be 4 or 8, got {quantize}")
+        raise UserError(f"{option('quantize')} must be 4 or 8, got {quantize}")
     return int(quantize) if quantize else None
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import UserError
+from ..errors import UserError, option
 from .target import Target
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -17,7 +17,7 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 def resolve_model_path(model: str) -> Path:
     """A local folder as is; otherwise an HF repo id, downloaded like mlx-lm does."""
     if not model or not str(model).strip():
-        raise UserError("--model is empty: pass a local model folder, a .gguf file or an HF repo id")
+        raise UserError(f"{option('model')} is empty: pass a local model folder, a .gguf file or an HF repo id")
     p = Path(model).expanduser()
     if p.exists():
         if p.is_dir() and not (p / "config.json").exists():
@@ -58,11 +58,11 @@ def load_target(model: str | None = None, *, dtype: str | None = None, quantize:
 
         model = str(demo_model_path())
     if kv_bits not in (None, 0, 2, 3, 4, 6, 8):
-        raise UserError(f"--kv-bits must be one of 2, 3, 4, 6, 8, got {kv_bits}")
+        raise UserError(f"{option('kv-bits')} must be one of 2, 3, 4, 6, 8, got {kv_bits}")
     if dtype is not None and dtype not in DTYPES:
-        raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise UserError(f"{option('dtype')} must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in (None, 0, 4, 8):
-        raise UserError(f"--quantize must be 4 or 8, got {quantize}")
+        raise UserError(f"{option('quantize')} must be 4 or 8, got {quantize}")
     source = str(model)
     if str(model).lower().endswith(".gguf"):
         from .gguf import convert_gguf_cached
@@ -75,6 +75,9 @@ def load_target(model: str | None = None, *, dtype: str | None = None, quantize:
 
     from mlx_lm.utils import load as mlx_load
 
+    from .checkpoints import check_safetensors
+
+    check_safetensors(path)
     try:
         net, tokenizer, config = mlx_load(str(path), return_config=True)
     except UserError:

@@ -14,6 +14,7 @@ the registry; any compatible checkpoint runs through it without an entry here.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,11 +103,22 @@ def canonical_name(name: str) -> str:
         s = t
 
 
+def _converted_from(source: str) -> str:
+    """The GGUF file a converted folder came from (`convert` and the conversion cache record it
+    in gguf_source.json), so a converted folder keeps the pairing of its original."""
+    try:
+        info = json.loads((Path(source).expanduser() / "gguf_source.json").read_text())
+        return Path(str(info.get("source") or "")).name
+    except (OSError, ValueError, TypeError, AttributeError):
+        return ""
+
+
 def target_names(target) -> list[str]:
-    """The names a loaded Target is known by (source, folder, config name)."""
+    """The names a loaded Target is known by (source, folder, config name, converted-from file)."""
     names = []
-    for n in (getattr(target, "source", ""), getattr(target, "name", ""),
-              (getattr(target, "config", None) or {}).get("_name_or_path", "")):
+    source = getattr(target, "source", "") or ""
+    for n in (source, getattr(target, "name", ""),
+              (getattr(target, "config", None) or {}).get("_name_or_path", ""), _converted_from(source) if source else ""):
         if n:
             c = canonical_name(n)
             if c and c not in names:
