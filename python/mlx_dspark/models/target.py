@@ -107,7 +107,28 @@ class Target:
         if self.kv_bits:
             cache = [c.to_quantized(self.kv_group_size, self.kv_bits) if isinstance(c, KVCache) else c
                      for c in cache]
-        return cache
+        return self._rollback_caches(cache)
+
+    def _rollback_caches(self, cache: list) -> list:
+        """Swap in caches that roll back exactly: recording + replay for recurrent (GDN) layers
+        (models/hybrid.py), rewind for sliding windows (models/sliding.py). Proven bitwise on this
+        model once; where the proof fails, mlx-lm's own caches stay and `rollback_kind` says why."""
+        from . import hybrid, sliding
+
+        def convert(c):
+            return sliding.convert_cache(hybrid.convert_cache(c))
+
+        if getattr(self, "_rollback_checked", None) is None:
+            kinds = [name for name, present in (("replay", hybrid.is_hybrid(self.layers)),
+                                                ("rewind", sliding.has_rotating(cache))) if present]
+            why = hybrid.install_recording(self.layers) if "replay" in kinds else None
+            if kinds and why is None:
+                from mlx_lm.models.cache import make_prompt_cache
+
+                why = hybrid.prove_replay(self.model, lambda: convert(make_prompt_cache(self.model)), self.vocab_size)
+            self.rollback_kind = ("+".join(kinds) or "trim") if why is None else f"none ({why})"
+            self._rollback_checked = why is None
+        return convert(cache) if self._rollback_checked else cache
 
     @staticmethod
     def cache_len(cache: list) -> int:
@@ -118,16 +139,24 @@ class Target:
 
     @staticmethod
     def can_trim(cache: list, n: int) -> bool:
+        """Whether `trim(cache, n)` can drop n positions of the forward that fed them (asked
+        before a verify round: dense KV trims, recurrent layers replay, sliding windows rewind)."""
         if n == 0:
             return True
         return all(c.is_trimmable() for c in cache)
 
     @staticmethod
     def trim(cache: list, n: int) -> None:
-        """Drop the last `n` positions from every layer's cache."""
-        if n <= 0:
-            return
+        """Drop the last `n` positions of the last forward from every layer's cache. Call it after
+        every verify forward, n = 0 included: a sliding-window cache then commits the round in
+        the layout plain decoding holds, a recurrent one lets go of the round's record."""
         for c in cache:
+            rewind = getattr(c, "rewind", None)
+            if rewind is not None:
+                rewind(max(n, 0))
+                continue
+            if n <= 0:
+                continue
             trimmed = c.trim(n)
             if trimmed != n:
                 raise RuntimeError(f"cache {type(c).__name__} trimmed {trimmed} of {n} positions")

@@ -1,0 +1,226 @@
+"""Rollback of hybrid targets' recurrent layers (Gated DeltaNet) by recording and replay.
+
+A GDN layer (mlx-lm `qwen3_5`, `qwen3_5_moe`, `qwen3_next`) keeps two arrays instead of a KV
+cache: the last K-1 inputs of its causal conv1d and the recurrent state [B, Hv, Dv, Dk]. Neither
+can be trimmed. So every forward into a `ReplayArraysCache` records what the recurrence consumed:
+
+  conv_input   [B, K-1+S, C]  the conv state before the forward followed by the S new inputs
+  q, k, v, a, b               the recurrence inputs of the S positions (after conv and q/k norm)
+  state_before                the recurrent state before the forward (None on the first one)
+
+and `rewind(n)` rebuilds the layer at the accept point m = S - n: the conv state is a slice of
+conv_input (data movement only) and the recurrent state is the same `gated_delta_update` the
+family's forward calls, run over the m accepted positions from `state_before`. Nothing is
+recomputed through the projections, so the result is the state plain decoding would hold, bit
+for bit, wherever the recurrence is computed per position the same way at any length (mlx-lm's
+ops path on CPU and CUDA; its Metal kernel loops over positions). `prove_replay` checks exactly
+that on the loaded model before speculation is allowed on it.
+
+The recording forward is installed on each GDN module instance by giving it a subclass (as the
+taps in target.py do): it is the family's own forward, step for step, with the recording added;
+`prove_replay` compares its logits with mlx-lm's own forward bitwise. Batched caches (lengths or
+left padding set) go through the family's forward untouched and cannot be rewound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+_FAMILY_GDN = ("GatedDeltaNet", "Qwen3NextGatedDeltaNet")  # class names of the supported GDN modules
+
+
+@dataclass
+class GDNRound:
+    conv_input: mx.array
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    a: mx.array
+    b: mx.array
+    state_before: mx.array | None
+    width: int
+    module: Any  # the GDN module (A_log, dt_bias, conv kernel size)
+    update: Callable  # the family's gated_delta_update
+
+
+class ReplayArraysCache(ArraysCache):
+    """An ArraysCache whose last forward can be rolled back to any of its positions."""
+
+    def __init__(self, size: int = 2):
+        super().__init__(size)
+        self.round: GDNRound | None = None
+
+    def is_trimmable(self) -> bool:
+        return self.lengths is None and self.left_padding is None
+
+    def trim(self, n: int) -> int:
+        self.rewind(n)
+        return n
+
+    def rewind(self, n: int) -> None:
+        """Keep the first S - n positions of the last forward (S its width); n = 0 commits it."""
+        r, self.round = self.round, None
+        if n <= 0:
+            return
+        if r is None or n > r.width:
+            width = 0 if r is None else r.width
+            raise RuntimeError(f"cannot roll a recurrent layer back {n} positions: its last forward fed {width}")
+        m = r.width - n
+        keep = r.module.conv_kernel_size - 1
+        self[0] = mx.contiguous(r.conv_input[:, m : m + keep, :])
+        if m == 0:
+            self[1] = r.state_before
+            return
+        _, state = r.update(r.q[:, :m], r.k[:, :m], r.v[:, :m], r.a[:, :m], r.b[:, :m], r.module.A_log,
+                            r.module.dt_bias, r.state_before, None, use_kernel=not r.module.training)
+        self[1] = state
+
+
+def replay_state(update: Callable, module, q, k, v, a, b, state_before):
+    """The pure-MLX reference of the replay: the recurrent state after q..b from state_before."""
+    return update(q, k, v, a, b, module.A_log, module.dt_bias, state_before, None,
+                  use_kernel=not module.training)[1]
+
+
+def _projections(self, inputs):
+    """The family-specific head of the GDN forward: (mixed qkv [B,S,C], z, b, a)."""
+    B, S, _ = inputs.shape
+    if hasattr(self, "in_proj_qkvz"):  # qwen3_next
+        q, k, v, z, b, a = self.fix_query_key_value_ordering(self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+        mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return mixed, z, b, a
+    qkv = self.in_proj_qkv(inputs)  # qwen3_5, qwen3_5_moe
+    z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+    return qkv, z, self.in_proj_b(inputs), self.in_proj_a(inputs)
+
+
+def _recording_call(self, inputs, mask=None, cache=None, *, _base, _globals):
+    if (not isinstance(cache, ReplayArraysCache) or mask is not None or cache.lengths is not None
+            or getattr(self, "sharding_group", None) is not None):
+        return _base.__call__(self, inputs, mask, cache)
+    B, S, _ = inputs.shape
+    mixed, z, b, a = _projections(self, inputs)
+    if cache[0] is not None:
+        conv_state = cache[0]
+    else:
+        conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+    conv_input = mx.concatenate([conv_state, mixed], axis=1)
+    cache[0] = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1):, :])
+    conv_out = nn.silu(self.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                           [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                           [self.head_k_dim, self.head_k_dim, self.head_v_dim])
+    ]
+    state = cache[1]
+    q, k = _globals["normalize_qk"](q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+    update = _globals["gated_delta_update"]
+    out, new_state = update(q, k, v, a, b, self.A_log, self.dt_bias, state, None, use_kernel=not self.training)
+    cache.round = GDNRound(conv_input, q, k, v, a, b, state, S, self, update)
+    cache[1] = new_state
+    cache.advance(S)
+    out = self.norm(out, z)
+    return self.out_proj(out.reshape(B, S, -1))
+
+
+def gdn_modules(layers) -> list:
+    """The GDN module of each decoder layer (None for attention layers)."""
+    return [getattr(layer, "linear_attn", None) if getattr(layer, "is_linear", False) else None for layer in layers]
+
+
+def is_hybrid(layers) -> bool:
+    return any(m is not None for m in gdn_modules(layers))
+
+
+def install_recording(layers) -> str | None:
+    """Give each GDN module the recording forward. Returns None, or why this model's GDN layers
+    cannot be recorded (an unknown module class, a missing helper)."""
+    for m in gdn_modules(layers):
+        if m is None or getattr(type(m), "_mlx_dspark_replay", False):
+            continue
+        base = type(m)
+        if base.__name__ not in _FAMILY_GDN:
+            return f"its recurrent layers are {base.__name__}, which mlx-dspark cannot replay"
+        g = base.__call__.__globals__
+        if "gated_delta_update" not in g or "normalize_qk" not in g:
+            return f"{base.__module__} no longer calls gated_delta_update / normalize_qk"
+
+        def call(self, inputs, mask=None, cache=None, __base=base, __g=g):
+            return _recording_call(self, inputs, mask, cache, _base=__base, _globals=__g)
+
+        m.__class__ = type(base.__name__, (base,), {"__call__": call, "_mlx_dspark_replay": True})
+    return None
+
+
+def convert_cache(cache: list) -> list:
+    """mlx-lm's ArraysCache of each GDN layer -> ReplayArraysCache (both empty at creation)."""
+    return [ReplayArraysCache(len(c.cache)) if type(c) is ArraysCache else c for c in cache]
+
+
+def _states(cache) -> list:
+    """Every array (and position counter) a cache holds, to compare two caches bitwise."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    out = []
+    for c in cache:
+        if isinstance(c, ArraysCache):
+            out.extend(x for x in c.cache if x is not None)
+        elif isinstance(c, RotatingKVCache):
+            if c.keys is not None:
+                out.extend([c.keys, c.values, mx.array([c.offset, c._idx, c.keys.shape[2]])])
+        elif getattr(c, "keys", None) is not None:  # KV caches: the positions below offset
+            from mlx.utils import tree_flatten
+
+            n = c.offset
+            out.extend(x[..., :n, :] for _, x in tree_flatten([c.keys, c.values]))
+            out.append(mx.array([n]))
+    return out
+
+
+def prove_replay(model, make_cache: Callable[[], list], vocab: int) -> str | None:
+    """Check on this model that (1) the recording forward gives mlx-lm's own logits bitwise and
+    (2) a 7-wide forward rewound by 4 leaves every layer's state bitwise equal to feeding the same
+    3 tokens one at a time. Returns None, or what differed."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = mx.array([[(29 * i + 7) % max(vocab, 2) for i in range(12)]], dtype=mx.int32)
+    ref = model(ids, cache=make_prompt_cache(model))
+    ours = model(ids, cache=make_cache())
+    if not mx.array_equal(ref, ours).item():
+        return "the recording forward of its recurrent layers does not reproduce mlx-lm's logits bitwise"
+    wide, plain = make_cache(), make_cache()
+    model(ids[:, :5], cache=wide)
+    model(ids[:, :5], cache=plain)
+    model(ids[:, 5:12], cache=wide)
+    for c in wide:
+        (c.rewind if hasattr(c, "rewind") else c.trim)(4)
+    for i in range(5, 8):
+        model(ids[:, i : i + 1], cache=plain)
+    a, b = _states(wide), _states(plain)
+    # Bitwise where a wide forward computes each row as a one-token forward does (CPU). On a GPU
+    # the projections round differently per width (bf16); the width check belongs to the probe,
+    # so there only a difference beyond the dtype's precision is a replay defect.
+    same = _equal if mx.default_device() == mx.cpu else _close
+    if len(a) != len(b) or not all(x.shape == y.shape and same(x, y) for x, y in zip(a, b)):
+        return "replaying the accepted positions does not rebuild the recurrent state bitwise"
+    if not same(model(ids[:, 8:9], cache=wide), model(ids[:, 8:9], cache=plain)):
+        return "the logits after a replayed rollback differ from plain decoding"
+    return None
+
+
+def _equal(x: mx.array, y: mx.array) -> bool:
+    return bool(mx.array_equal(x, y).item())
+
+
+def _close(x: mx.array, y: mx.array) -> bool:
+    if not mx.issubdtype(x.dtype, mx.floating):
+        return _equal(x, y)
+    x, y = x.astype(mx.float32), y.astype(mx.float32)
+    scale = 1.0 + float(mx.abs(y).max().item())
+    return float(mx.abs(x - y).max().item()) <= 3e-2 * scale
