@@ -25,6 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UserError
+from . import invariance
 
 
 @dataclass
@@ -98,6 +99,10 @@ class Target:
         self._fast_head = False  # set by probe() once last-row heads are proven equal
         self.rollback_refusal: str | None = None  # set by probe(): why speculative modes cannot run
         self.tap_refusal: str | None = None  # set by probe(): why drafters' taps cannot be read
+        # Width invariance (models/invariance.py): 0 = the native forward; W = every decode forward
+        # at width W with the invariant attention. Chosen by probe() by measurement.
+        self.decode_width = 0
+        self.invariance = "unchecked"
 
     # ------------------------------------------------------------------ cache
     def make_cache(self) -> list:
@@ -174,6 +179,14 @@ class Target:
         if (self.rollback_refusal and cache is not None and not last_only and tokens.shape[1] > 1) or \
                 (taps and self.tap_refusal):
             self.check_speculation(taps)  # a verify round (or a tapped forward) on a target that failed the probe
+        w = tokens.shape[1]
+        if self.decode_width and cache is not None and (not last_only or w == 1) and invariance.fixed_width_ok(cache):
+            logits, hidden = invariance.forward_fixed(self, tokens, cache, taps, self.decode_width)
+            return ForwardOut(logits, hidden)
+        return self._forward_native(tokens, cache, taps, last_only)
+
+    def _forward_native(self, tokens: mx.array, cache: list, taps: Sequence[int], last_only: bool) -> ForwardOut:
+        """The model's own forward at the width it is given (taps recorded)."""
         rec = self._recorder
         rec.active = set(taps)
         rec.outputs = {}
@@ -233,6 +246,7 @@ class Target:
             if not 0 <= t < self.num_layers:
                 raise UserError(f"tap layer {t} is out of range: the target has {self.num_layers} layers (0..{self.num_layers - 1})")
         self.rollback_refusal = self.tap_refusal = None
+        self.invariance = invariance.choose(self)
         vocab = max(self.vocab_size, 2)
         ids = mx.array([[(17 * i + 3) % vocab for i in range(8)]], dtype=mx.int32)
 

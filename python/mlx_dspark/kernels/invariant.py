@@ -1,0 +1,182 @@
+"""Width-invariant causal attention over a KV cache: one query row's output never depends on how
+many queries are computed with it, nor on how long the cache is past that row.
+
+With every decode forward run at one fixed width (models/target.py), the matmuls, the quantized
+matmuls and the lm_head see the same shapes in a plain step and in a verify round, so their rows
+cannot round differently; attention is the one op whose shape still moves (the key length grows
+by one each step). This op closes that gap: each query row reduces over its own causal keys, in
+fixed chunks of CHUNK keys, in key order (kernels/gpu/invariant_attention.h says exactly how).
+
+Paths, picked per backend (`attention_path()`):
+  cuda       the GPU body through mx.fast.cuda_kernel (reads the cache through its strides: no copy)
+  metal      the same body through mx.fast.metal_kernel (compile-checked on Linux)
+  reference  pure MLX, the same chunked arithmetic (CPU, or MLX_DSPARK_KERNELS=reference)
+
+`active()` is the switch the fixed-width forward turns on: while it is on (in this thread),
+compat.py routes mlx-lm's calls of mx.fast.scaled_dot_product_attention with a causal (or no)
+mask here. Everything else (prefill, drafters, other threads) keeps MLX's own kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+
+import mlx.core as mx
+
+from .gpu_source import GPU_DIR, Instance
+
+CHUNK = 128  # DS_IA_THREADS: keys per chunk = threads per threadgroup
+MAX_D = 256  # DS_IA_MAX_D
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def active():
+    """Route causal attention through the invariant op inside this block (this thread only)."""
+    prev = getattr(_local, "on", False)
+    _local.on = True
+    try:
+        yield
+    finally:
+        _local.on = prev
+
+
+def is_active() -> bool:
+    return getattr(_local, "on", False)
+
+
+# ------------------------------------------------------------------------------- reference
+def invariant_attention_reference(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """q [B, H, Lq, D], k / v [B, Hkv, Lk, D] -> [B, H, Lq, D] in q's dtype; causal, aligned at the
+    end (query i at position Lk - Lq + i). Keys are padded to whole chunks, so every chunk has the
+    same shape; a chunk past a row's causal length leaves that row's state bit-for-bit unchanged."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    f32 = mx.float32
+    qf = q.astype(f32).reshape(B, Hkv, rep, Lq, 1, D)
+    n = (mx.arange(Lq) + (Lk - Lq + 1)).reshape(1, 1, 1, Lq, 1)  # causal length of each row
+    nch = -(-Lk // CHUNK)
+    pad = nch * CHUNK - Lk
+    kf, vf = k.astype(f32), v.astype(f32)
+    if pad:
+        z = mx.zeros((B, Hkv, pad, D), dtype=f32)
+        kf, vf = mx.concatenate([kf, z], axis=2), mx.concatenate([vf, z], axis=2)
+    vt = vf.swapaxes(2, 3)  # [B, Hkv, D, Lk'] so every sum runs over the last axis
+    neg_inf = mx.array(-mx.inf, dtype=f32)
+    m = mx.full((B, Hkv, rep, Lq, 1), -mx.inf, dtype=f32)
+    l = mx.zeros((B, Hkv, rep, Lq, 1), dtype=f32)
+    acc = mx.zeros((B, Hkv, rep, Lq, D), dtype=f32)
+    cols = mx.arange(CHUNK).reshape(1, 1, 1, 1, CHUNK)
+    for c in range(nch):
+        kc = kf[:, :, None, None, c * CHUNK : (c + 1) * CHUNK, :]  # [B, Hkv, 1, 1, C, D]
+        valid = (cols + c * CHUNK) < n
+        s = mx.where(valid, mx.sum(qf * kc, axis=-1) * scale, neg_inf)  # [B, Hkv, rep, Lq, C]
+        m_new = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
+        p = mx.where(valid, mx.exp(s - m_new), 0.0)
+        alpha = mx.exp(m - m_new)
+        l = l * alpha + mx.sum(p, axis=-1, keepdims=True)
+        vc = vt[:, :, None, None, :, c * CHUNK : (c + 1) * CHUNK]  # [B, Hkv, 1, 1, D, C]
+        acc = acc * alpha + mx.sum(p[..., None, :] * vc, axis=-1)
+        m = m_new
+    return (acc / l).reshape(B, H, Lq, D).astype(q.dtype)
+
+
+# ------------------------------------------------------------------------------ GPU instances
+_CUDA_LAUNCH = """  ds_ctx c;
+  c.tid = threadIdx.x;
+  c.nthreads = blockDim.x;
+  c.bx = blockIdx.x;
+  c.by = blockIdx.y;
+  __shared__ float sq[DS_IA_MAX_D];
+  __shared__ float sp[DS_IA_THREADS];
+  __shared__ float red[DS_IA_THREADS / 32];
+"""
+_METAL_LAUNCH = """  ds_ctx c;
+  c.tid = thread_position_in_threadgroup.x;
+  c.nthreads = threads_per_threadgroup.x;
+  c.bx = threadgroup_position_in_grid.x;
+  c.by = threadgroup_position_in_grid.y;
+  threadgroup float sq[DS_IA_MAX_D];
+  threadgroup float sp[DS_IA_THREADS];
+  threadgroup float red[DS_IA_THREADS / 32];
+"""
+_CALL = """  const int H = q_shape[1];
+  const int Lq = q_shape[2];
+  const int D = q_shape[3];
+  const int Hkv = k_shape[1];
+  const int Lk = k_shape[2];
+  const int qi = (int)c.bx;
+  const int b = (int)c.by / H;
+  const int h = (int)c.by - b * H;
+  const int kvh = h / (H / Hkv);
+  ds_ia_row<T>(c, q, b * q_strides[0] + h * q_strides[1] + qi * q_strides[2], q_strides[3],
+               k, b * k_strides[0] + kvh * k_strides[1], k_strides[2], k_strides[3],
+               v, b * v_strides[0] + kvh * v_strides[1], v_strides[2], v_strides[3],
+               D, Lk - Lq + qi + 1, scale[0], out, (((ds_i64)b * H + h) * Lq + qi) * D, sq, sp, red);
+"""
+INPUTS, OUTPUTS = ("q", "k", "v", "scale"), ("out",)
+
+
+@functools.lru_cache(maxsize=None)
+def _body() -> str:
+    return "".join((GPU_DIR / f).read_text() + "\n" for f in ("ds_portable.h", "invariant_attention.h"))
+
+
+def cuda_instance() -> Instance:
+    return Instance("ds_invariant_attention", INPUTS, OUTPUTS, _CUDA_LAUNCH + _CALL, _body())
+
+
+def metal_instance() -> Instance:
+    return Instance("ds_invariant_attention", INPUTS, OUTPUTS, _METAL_LAUNCH + _CALL, _body())
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(lang: str):
+    inst = cuda_instance() if lang == "cuda" else metal_instance()
+    make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
+    return make(name=inst.name, input_names=list(inst.input_names), output_names=list(inst.output_names),
+                source=inst.source, header=inst.header, ensure_row_contiguous=False)
+
+
+_scales: dict[float, mx.array] = {}
+
+
+def invariant_attention_gpu(q: mx.array, k: mx.array, v: mx.array, scale: float, lang: str = "cuda") -> mx.array:
+    B, H, Lq, D = q.shape
+    s = _scales.get(scale)
+    if s is None:
+        s = _scales[scale] = mx.array([scale], dtype=mx.float32)
+    (out,) = _kernel(lang)(inputs=[q, k, v, s], template=[("T", q.dtype)], grid=(Lq * CHUNK, B * H, 1),
+                           threadgroup=(CHUNK, 1, 1), output_shapes=[(B, H, Lq, D)], output_dtypes=[q.dtype])
+    return out
+
+
+# ------------------------------------------------------------------------------------ dispatch
+def attention_path() -> str:
+    """cuda | metal | reference: what `invariant_attention` runs on the default device."""
+    if os.environ.get("MLX_DSPARK_KERNELS", "").strip().lower() == "reference" or mx.default_device() == mx.cpu:
+        return "reference"
+    if mx.cuda.is_available():
+        return "cuda"
+    if mx.metal.is_available():
+        return "metal"
+    return "reference"
+
+
+def supported(q: mx.array, k: mx.array, v: mx.array) -> bool:
+    """Shapes the op takes (anything else keeps MLX's kernel, and the load self-check sees it)."""
+    return (q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and q.shape[3] == k.shape[3] == v.shape[3]
+            and q.shape[3] <= MAX_D and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
+            and k.shape[2] >= q.shape[2] and q.dtype in (mx.float32, mx.float16, mx.bfloat16))
+
+
+def invariant_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    path = attention_path()
+    if path == "reference":
+        return invariant_attention_reference(q, k, v, scale)
+    return invariant_attention_gpu(q, k, v, scale, lang=path)

@@ -1,0 +1,137 @@
+"""Width-invariant decoding: a verify round, a plain step and plain decoding give bit-identical
+logits and write bit-identical KV entries.
+
+Why rows differ at all: a GPU picks its matmul, quantized-matmul and attention kernels by shape,
+so the same row computed inside a width-8 verify forward and alone in a width-1 step goes through
+different reduction orders, and a near-tie in the logits can flip (DESIGN.md, measured on the
+H200). The design here removes the shape change instead of rewriting every op:
+
+  * every decode forward (plain step and verify round alike, and the prompt's last token) runs
+    at ONE fixed width W: the block is padded with copies of its last token, the pad positions
+    are written to the cache and trimmed off at once. Every matmul, quantized matmul and the
+    lm_head then always sees M = W, and a row's arithmetic cannot depend on what else is in the
+    block (rows of a matmul never mix). A block wider than W runs as consecutive W-blocks;
+  * attention is the one op whose shape still moves (the key length grows every step), so inside
+    these forwards it runs kernels/invariant.py's op, in which each query row reduces over its
+    own causal keys in fixed chunks, in key order;
+  * norms, RoPE and elementwise ops are row-wise; the load self-check below proves the whole
+    forward, it does not assume any of this.
+
+Prefill (all prompt tokens but the last) keeps MLX's fast kernels: every mode shares it.
+
+Which path a target gets is decided once at load by `choose()`, by measurement: the native
+forward is used where it is already width-invariant (CPU float32 is); otherwise the fixed-width
+path, if it passes; otherwise the native one with a warning that the drafting modes may differ
+from plain decoding. MLX_DSPARK_INVARIANT=auto (default) | force (fixed width, no check) | off.
+MLX_DSPARK_DECODE_WIDTH=W (default 16).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import mlx.core as mx
+
+DEFAULT_WIDTH = 16
+
+
+def decode_width() -> int:
+    raw = os.environ.get("MLX_DSPARK_DECODE_WIDTH", "").strip()
+    try:
+        return max(int(raw), 1) if raw else DEFAULT_WIDTH
+    except ValueError:
+        return DEFAULT_WIDTH
+
+
+def setting() -> str:
+    raw = os.environ.get("MLX_DSPARK_INVARIANT", "auto").strip().lower()
+    return raw if raw in ("auto", "force", "off") else "auto"
+
+
+def fixed_width_ok(cache: list) -> bool:
+    """Pad positions can be written and trimmed off: every layer has mlx-lm's plain KV cache."""
+    return all(type(c).__name__ in ("KVCache", "QuantizedKVCache") for c in cache)
+
+
+def forward_fixed(target, tokens: mx.array, cache: list, taps, width: int):
+    """target's forward of tokens [B, w], run as ceil(w / width) blocks of exactly `width`
+    positions (the last one padded with its last token); returns (logits, hidden)."""
+    from ..kernels import invariant
+
+    w = tokens.shape[1]
+    logits, hidden = [], []
+    for s in range(0, w, width):
+        blk = tokens[:, s : s + width]
+        n = blk.shape[1]
+        if n < width:
+            blk = mx.concatenate([blk, mx.repeat(blk[:, -1:], width - n, axis=1)], axis=1)
+        with invariant.active():
+            out = target._forward_native(blk, cache, taps, False)
+        if n < width:
+            target.trim(cache, width - n)
+        logits.append(out.logits[:, :n])
+        if out.hidden is not None:
+            hidden.append(out.hidden[:, :n])
+    cat = (lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=1))
+    return cat(logits), (cat(hidden) if hidden else None)
+
+
+def rows_match(target, n_prefix: int = 23, n_cont: int = 6) -> bool:
+    """Plain steps, one verify block and a split block over the same prefix give bitwise equal
+    logits (the split block's second half also reads the KV its first half wrote)."""
+    vocab = max(target.vocab_size, 2)
+    ids = mx.array([[(31 * i + 7) % vocab for i in range(n_prefix + n_cont)]], dtype=mx.int32)
+    prefix, cont = ids[:, :n_prefix], ids[:, n_prefix:]
+
+    def prefilled():
+        cache = target.make_cache()
+        mx.eval(target.forward(prefix, cache, last_only=True).logits)
+        return cache
+
+    a = prefilled()
+    steps = mx.concatenate([target.forward(cont[:, j : j + 1], a).logits for j in range(n_cont)], axis=1)
+    b = prefilled()
+    block = target.forward(cont, b).logits
+    c = prefilled()
+    half = n_cont // 2 + 1
+    split = mx.concatenate([target.forward(cont[:, :half], c).logits, target.forward(cont[:, half:], c).logits], axis=1)
+    mx.eval(steps, block, split)
+    return bool(mx.array_equal(steps, block).item()) and bool(mx.array_equal(steps, split).item())
+
+
+_warned: set = set()
+
+
+def choose(target) -> str:
+    """Decide target.decode_width (0 = the native forward) by measurement; return the verdict:
+    native | fixed-width | forced | off | none (neither is invariant: drafting modes may differ)."""
+    mode = setting()
+    target.decode_width = 0
+    if mode == "off":
+        return "off"
+    if mode == "force":
+        _enable(target)
+        return "forced"
+    if rows_match(target):
+        return "native"
+    if fixed_width_ok(target.make_cache()):
+        _enable(target)
+        if rows_match(target):
+            return "fixed-width"
+        target.decode_width = 0
+    key = (str(mx.default_device()), target.model_type, target.kv_bits)
+    if key not in _warned:
+        _warned.add(key)
+        what = "with a quantized KV cache (--kv-bits) " if target.kv_bits else ""
+        warnings.warn(f"{target.model_type} on {mx.default_device()} {what}does not compute a verify row with the same "
+                      "arithmetic as a plain step: the drafting modes may differ from --mode baseline (near-ties "
+                      "can flip); baseline is exact", stacklevel=3)
+    return "none"
+
+
+def _enable(target) -> None:
+    from ..compat import route_causal_attention_to_invariant_op
+
+    route_causal_attention_to_invariant_op()
+    target.decode_width = decode_width()

@@ -1,0 +1,136 @@
+"""Width invariance of the target forward (models/invariance.py, kernels/invariant.py): over a
+random cache, row i of a width-w forward equals, bit for bit, the width-1 forward of the same token
+at the same position, for w = 1..17, in every dtype and MLX affine quantization.
+
+The CPU instances run in CI; the `gpu` instances run on the device (`pytest -m gpu`), where the
+forward is not width-invariant without the fixed-width path."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+import mlx_dspark as md
+from mlx_dspark.models import invariance
+from mlx_dspark.models.loading import cast_scales_f32
+
+SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
+PRECISIONS = [("float32", None, None), ("bfloat16", None, None), ("float16", None, None)] + [
+    (dt, bits, group) for dt in ("bfloat16", "float32") for bits in (4, 8) for group in (32, 64, 128)]
+MAX_W = 17
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=[gpu, needs_cuda])]
+
+
+@pytest.fixture(scope="module")
+def path(model_dir):
+    # hidden 128 so that group 128 divides every projection; GQA (4 heads, 2 kv heads), 3 layers
+    return str(model_dir("llama", layers=3, hidden=128, heads=4, kv_heads=2, intermediate=256, scale=2.0,
+                         seed=21, vocab_size=512))
+
+
+def load(path, dtype, bits, group, device):
+    mx.set_default_device(mx.cpu if device == "cpu" else mx.gpu)
+    target, tok = md.load_target(path, dtype=dtype, probe=False)
+    if bits:
+        nn.quantize(target.model, group_size=group, bits=bits)
+        if device == "cpu":
+            cast_scales_f32(target.model)  # as the loader does on the CPU
+    target.probe()
+    return target
+
+
+def check_property(target, rng):
+    vocab = target.vocab_size
+    prefix = [rng.randrange(vocab) for _ in range(rng.randrange(5, 300))]
+    tokens = mx.array([[rng.randrange(vocab) for _ in range(MAX_W)]], dtype=mx.int32)
+
+    def prefilled():
+        cache = target.make_cache()
+        mx.eval(target.forward(mx.array([prefix]), cache, last_only=True).logits)
+        return cache
+
+    cache = prefilled()
+    ones = [target.forward(tokens[:, i : i + 1], cache).logits for i in range(MAX_W)]
+    keys_one = [c.state[0][..., : c.offset, :] for c in cache]
+    mx.eval(ones, keys_one)
+    for w in range(1, MAX_W + 1):
+        cache = prefilled()
+        rows = target.forward(tokens[:, :w], cache).logits
+        mx.eval(rows)
+        for i in range(w):
+            assert mx.array_equal(rows[:, i], ones[i][:, 0]).item(), \
+                f"row {i} of a width-{w} forward differs from the width-1 forward (prefix {len(prefix)}, seed {SEED})"
+        if w == MAX_W:  # and the KV written by one wide forward equals the KV of the width-1 steps
+            for a, c in zip(keys_one, cache):
+                assert mx.array_equal(a, c.state[0][..., : c.offset, :]).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,bits,group", PRECISIONS,
+                         ids=[f"{d}" + (f"-q{b}g{g}" if b else "") for d, b, g in PRECISIONS])
+def test_rows_are_width_invariant(path, dtype, bits, group, device):
+    try:
+        target = load(path, dtype, bits, group, device)
+        assert target.invariance in ("native", "fixed-width"), target.invariance
+        check_property(target, random.Random(SEED))
+    finally:
+        mx.set_default_device(mx.cpu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,bits,group", [("float32", None, None), ("bfloat16", None, None),
+                                              ("bfloat16", 4, 64), ("float16", 8, 32)],
+                         ids=["float32", "bfloat16", "bf16-q4g64", "fp16-q8g32"])
+def test_fixed_width_path_is_invariant(path, dtype, bits, group, device, monkeypatch):
+    """The fixed-width path itself (padding, blocks wider than W, the invariant attention), forced
+    where the native forward would already do: W = 16, so w = 17 runs as two blocks."""
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "force")
+    try:
+        target = load(path, dtype, bits, group, device)
+        assert target.invariance == "forced" and target.decode_width == invariance.DEFAULT_WIDTH
+        check_property(target, random.Random(SEED + 1))
+    finally:
+        mx.set_default_device(mx.cpu)
+
+
+def test_fixed_width_path_routes_attention_and_trims_the_pad(path, monkeypatch):
+    from mlx_dspark.kernels import invariant
+
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "force")
+    target = load(path, "float32", None, None, "cpu")
+    calls = []
+    real = invariant.invariant_attention
+    monkeypatch.setattr(invariant, "invariant_attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    cache = target.make_cache()
+    target.forward(mx.array([[1, 2, 3, 4, 5]]), cache, last_only=True)  # prefill: MLX's own attention
+    assert calls == []
+    out = target.forward(mx.array([[6, 7, 8]]), cache)
+    assert out.logits.shape[1] == 3 and target.cache_len(cache) == 8
+    assert len(calls) == 3 and all(s[2] == invariance.DEFAULT_WIDTH for s in calls)  # one per layer, W queries
+
+
+def test_modes_identical_on_the_fixed_width_path(path, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "force")
+    target, tok = md.load_target(path, dtype="bfloat16")
+    assert target.decode_width == invariance.DEFAULT_WIDTH
+    prompt = "repeat: the fox the fox the fox def add(a, b)"
+    base = md.generate(target, tok, prompt, mode="baseline", max_new_tokens=48)
+    look = md.generate(target, tok, prompt, mode="lookup", max_new_tokens=48)
+    assert look.tokens == base.tokens and look.text == base.text
+
+
+def test_a_forward_that_is_not_invariant_is_reported(path, monkeypatch):
+    """Where neither path is invariant, load warns (the drafting modes may differ) and keeps the
+    native forward: nothing silently lossy."""
+    monkeypatch.setattr(invariance, "rows_match", lambda target: False)
+    monkeypatch.setattr(invariance, "_warned", set())
+    with pytest.warns(UserWarning, match="may differ from --mode baseline"):
+        target, _ = md.load_target(path, dtype="bfloat16")
+    assert target.invariance == "none" and target.decode_width == 0

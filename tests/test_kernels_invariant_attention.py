@@ -1,0 +1,138 @@
+"""The width-invariant attention op (kernels/invariant.py): the pure-MLX reference against MLX's own
+attention, its invariance, the compile checks of its Metal and CUDA instances (Linux, libclang),
+and (on the device, `pytest -m gpu`) the CUDA instance against the reference, bitwise invariance
+and strided cache reads."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import mlx.core as mx
+import pytest
+
+from mlx_dspark.kernels import gpu_source as gs
+from mlx_dspark.kernels import invariant as inv
+
+SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
+SHAPES = [(1, 4, 1, 2, 37, 64), (1, 4, 16, 2, 300, 64), (2, 9, 16, 3, 129, 64), (1, 8, 5, 8, 128, 128),
+          (1, 2, 17, 1, 640, 256), (1, 6, 3, 2, 3, 80)]  # B, H, Lq, Hkv, Lk, D
+
+
+def inputs(B, H, Lq, Hkv, Lk, D, dtype, i):
+    k1, k2, k3 = mx.random.split(mx.random.key(SEED * 100 + i), 3)
+    return (mx.random.normal((B, H, Lq, D), key=k1).astype(dtype), mx.random.normal((B, Hkv, Lk, D), key=k2).astype(dtype),
+            mx.random.normal((B, Hkv, Lk, D), key=k3).astype(dtype))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["f32", "bf16", "f16"])
+def test_reference_matches_mlx_attention(shape, dtype):
+    q, k, v = inputs(*shape, dtype, 1)
+    scale = shape[-1] ** -0.5
+    mask = "causal" if shape[2] > 1 else None
+    want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32),
+                                                scale=scale, mask=mask)
+    got = inv.invariant_attention_reference(q, k, v, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert mx.allclose(got.astype(mx.float32), want, atol=tol, rtol=tol).item()
+
+
+def check_invariance(fn, dtype):
+    """Row i of a 16-query call over Lk keys == a 1-query call at the same position (keys up to it)."""
+    B, H, Lq, Hkv, Lk, D = 1, 4, 16, 2, 333, 64
+    q, k, v = inputs(B, H, Lq, Hkv, Lk, D, dtype, 2)
+    full = fn(q, k, v, 0.125)
+    mx.eval(full)
+    for i in range(Lq):
+        n = Lk - Lq + i + 1
+        one = fn(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], 0.125)
+        assert mx.array_equal(one[:, :, 0], full[:, :, i]).item(), f"row {i}"
+        # the same row inside a block that starts at that row, with more keys behind it
+        if i + 4 <= Lq:
+            blk = fn(q[:, :, i : i + 4], k[:, :, : n + 3], v[:, :, : n + 3], 0.125)
+            assert mx.array_equal(blk[:, :, 0], full[:, :, i]).item(), f"row {i} in a 4-block"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_reference_is_width_invariant(dtype):
+    check_invariance(inv.invariant_attention_reference, dtype)
+
+
+# ------------------------------------------------------------------------------ compile checks
+def _parse_tools():
+    import test_metal_check as tmc
+
+    extra = ("float expf(float);\n__half __float2half(float);\n__nv_bfloat16 __float2bfloat16(float);\n")
+    return tmc.parse, tmc.METAL_STUB, tmc.CUDA_STUB + extra
+
+
+@pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
+def test_metal_instance_parses(dt):
+    parse, metal_stub, _ = _parse_tools()
+    src = gs.metal_kernel_text(inv.metal_instance(), [(dt, 4, 10**4), (dt, 4, 10**5), (dt, 4, 10**5), ("float32", 1, 1)],
+                               [dt], [("T", dt)])
+    assert "q_strides" in src and "constant float* scale" in src
+    assert parse(src, metal_stub, f"ia_metal_{dt}") == []
+
+
+@pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
+def test_cuda_instance_parses(dt):
+    parse, _, cuda_stub = _parse_tools()
+    src = gs.cuda_kernel_text(inv.cuda_instance(), [(dt, 4), (dt, 4), (dt, 4), ("float32", 1)], [dt], [("T", dt)])
+    assert parse(src, cuda_stub, f"ia_cuda_{dt}") == []
+
+
+def test_a_broken_body_fails_both_compile_checks():
+    parse, metal_stub, cuda_stub = _parse_tools()
+    good = inv.metal_instance()
+    body = good.header.replace("ds_ia_block_max(c, s, red)", "ds_ia_block_max(c, s)")
+    assert body != good.header
+    m = gs.Instance(good.name, good.input_names, good.output_names, good.source, body)
+    src = gs.metal_kernel_text(m, [("float32", 4, 10**4)] * 3 + [("float32", 1, 1)], ["float32"], [("T", "float32")])
+    assert parse(src, metal_stub, "ia_broken_metal")
+    cg = inv.cuda_instance()
+    c = gs.Instance(cg.name, cg.input_names, cg.output_names, cg.source, body)
+    assert parse(gs.cuda_kernel_text(c, [("float32", 4)] * 4, ["float32"], [("T", "float32")]), cuda_stub, "ia_broken_cuda")
+
+
+# ---------------------------------------------------------------------------------- on the GPU
+cuda = [pytest.mark.gpu, pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")]
+
+
+@pytest.fixture
+def on_gpu():
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(mx.cpu)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+def test_cuda_matches_reference(shape, dtype, on_gpu):
+    q, k, v = inputs(*shape, dtype, 3)
+    scale = shape[-1] ** -0.5
+    got = inv.invariant_attention_gpu(q, k, v, scale, lang="cuda")
+    want = inv.invariant_attention_reference(q, k, v, scale)
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert got.dtype == dtype and mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+def test_cuda_is_width_invariant(dtype, on_gpu):
+    check_invariance(lambda q, k, v, s: inv.invariant_attention_gpu(q, k, v, s, lang="cuda"), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+def test_cuda_reads_a_cache_slice_through_its_strides(on_gpu):
+    q, k, v = inputs(1, 4, 16, 2, 512, 64, mx.bfloat16, 4)
+    ks, vs = k[:, :, :300], v[:, :, :300]  # a KV-cache view: rows of a longer buffer
+    got = inv.invariant_attention_gpu(q, ks, vs, 0.125, lang="cuda")
+    want = inv.invariant_attention_gpu(q, ks + 0, vs + 0, 0.125, lang="cuda")
+    assert mx.array_equal(got, want).item()
