@@ -12,6 +12,15 @@ own in-place path, as plain decoding would have. The ring then holds exactly the
 decoding holds (same slots, same contents), so the following steps compute what plain decoding
 computes. `rewind(0)` after a wide forward does the same for all S positions.
 
+The verify forward itself must compute what plain decoding computes. Plain decoding attends
+each query over the ring in slot order; mlx-lm's wide path attends over the temporal order, so
+after the wrap the sums run in another order and the logits differ in their last bits (measured
+on CPU float32). So a verify-shaped forward (`verify` set by Target.forward: width > 1, not a
+prefill) attends over one gathered layout in which every query's keys appear in exactly its
+plain ring order, the entries it must not see masked out (`_verify_layout`: mlx-lm's own
+in-place update run on position ids, and the S ring orders merged into one). Prefill keeps
+mlx-lm's path, so it matches mlx-lm's own generation.
+
 After a width-1 forward (written in place) `rewind(1)` steps offset and index back, mlx-lm's own
 trim arithmetic. The slot keeps the dropped token's key where the ring held the key of position
 offset - max_size; no later query can see that entry: the next width-1 forward overwrites that
@@ -21,20 +30,100 @@ very slot before attending, and a wider forward drops exactly the oldest ring en
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
+
+
+class VerifyLayout:
+    """For a verify of `width` tokens on one ring state. Index space: 0 is a zero row, 1..B the
+    ring's B slots, B+1.. the block's tokens (the rows of concat(zero, ring, block))."""
+
+    def __init__(self, order: list[int], visible: list[set[int]], rings: list[tuple[list[int], int]]):
+        self.index = mx.array(order, dtype=mx.int32)  # what the verify attends over, in this order
+        self.mask = mx.array([[o in v for o in order] for v in visible])  # [width, len(order)]
+        # the ring plain decoding holds after j + 1 of the tokens: (slot contents, _idx)
+        self.rings = [(mx.array(ids, dtype=mx.int32), idx) for ids, idx in rings]
+
+
+@lru_cache(maxsize=1024)
+def _verify_layout(buffer: int, offset: int, idx: int, keep: int, max_size: int, width: int) -> VerifyLayout | None:
+    """Run mlx-lm's in-place update on ids for `width` plain steps; merge the rings they attend
+    over into one order (None when no single order holds them all)."""
+    sim = RotatingKVCache(max_size, keep)
+    if buffer:
+        sim.keys = mx.arange(1, buffer + 1, dtype=mx.float32).reshape(1, 1, buffer, 1)
+        sim.values = sim.keys
+    sim.offset, sim._idx = offset, idx
+    seqs, rings = [], []
+    for j in range(width):
+        new = mx.full((1, 1, 1, 1), buffer + 1 + j, mx.float32)
+        k, _ = sim._update_in_place(new, new)
+        seqs.append([int(x) for x in k.reshape(-1).tolist()])
+        rings.append(([int(x) for x in sim.keys.reshape(-1).tolist()], sim._idx))
+    order: list[int] = []
+    for seq in seqs:
+        for t, x in enumerate(seq):
+            if x not in order:
+                order.insert(order.index(seq[t - 1]) + 1 if t else 0, x)
+    if 0 in order:  # a step would attend to an unwritten slot: not a layout this handles
+        return None
+    for seq in seqs:  # each ring order must be a subsequence of the merged one
+        pos = [order.index(x) for x in seq]
+        if pos != sorted(pos):
+            return None
+    return VerifyLayout(order, [set(seq) for seq in seqs], rings)
 
 
 class RewindableRotatingKVCache(RotatingKVCache):
     def __init__(self, max_size, keep=0):
         super().__init__(max_size, keep)
-        self._round = None  # (keys, values, offset, idx) before the last wide forward + its keys, values
+        self._round = None  # what the last wide forward needs to be rewound
+        self.verify = False  # the next forward is a verify round (set by Target.forward)
+
+    def _layout(self, width: int) -> VerifyLayout | None:
+        if not self.verify or width < 2:
+            return None
+        buffer = 0 if self.keys is None else self.keys.shape[2]
+        # Once the ring is full the offset no longer changes what a step sees.
+        offset = self.max_size if buffer == self.max_size and self.offset >= buffer else self.offset
+        return _verify_layout(buffer, offset, self._idx, self.keep, self.max_size, width)
+
+    def make_mask(self, N: int, window_size=None, return_array: bool = False):
+        layout = self._layout(N)
+        if layout is None:
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        if window_size is not None and window_size != self.max_size:
+            raise RuntimeError(f"a sliding window of {window_size} over a ring of {self.max_size} is not supported "
+                               "by exact verification")
+        return layout.mask
 
     def update_and_fetch(self, keys, values):
-        if keys.shape[2] > 1:
-            self._round = (self.keys, self.values, self.offset, self._idx, keys, values)
-        else:
+        S = keys.shape[2]
+        if S == 1:
             self._round = None
-        return super().update_and_fetch(keys, values)
+            return super().update_and_fetch(keys, values)
+        layout = self._layout(S)
+        pre = (self.keys, self.values, self.offset, self._idx)
+        if layout is None:  # a prefill (or a layout no single order holds): mlx-lm's wide path
+            self._round = ("wide", pre, keys, values)
+            return super().update_and_fetch(keys, values)
+        B, H, _, D = keys.shape
+        parts_k, parts_v = [mx.zeros((B, H, 1, D), keys.dtype)], [mx.zeros((B, H, 1, values.shape[3]), values.dtype)]
+        if pre[0] is not None:
+            parts_k.append(pre[0])
+            parts_v.append(pre[1])
+        ext_k = mx.concatenate(parts_k + [keys], axis=2)
+        ext_v = mx.concatenate(parts_v + [values], axis=2)
+        self._round = ("ring", pre, ext_k, ext_v, layout)
+        self._set_ring(ext_k, ext_v, layout, pre[2], S)  # the state after all S, as plain decoding holds it
+        return mx.take(ext_k, layout.index, axis=2), mx.take(ext_v, layout.index, axis=2)
+
+    def _set_ring(self, ext_k, ext_v, layout: VerifyLayout, offset0: int, m: int) -> None:
+        ids, idx = layout.rings[m - 1]
+        self.keys, self.values = mx.take(ext_k, ids, axis=2), mx.take(ext_v, ids, axis=2)
+        self.offset, self._idx = offset0 + m, idx
 
     def is_trimmable(self) -> bool:
         return True
@@ -52,13 +141,21 @@ class RewindableRotatingKVCache(RotatingKVCache):
             if n == 1:
                 super().trim(1)
             return
-        keys, values = r[4], r[5]
-        m = keys.shape[2] - n
+        kind, pre = r[0], r[1]
+        S = r[2].shape[2] if kind == "wide" else len(r[4].rings)
+        m = S - n
         if m < 0:
-            raise RuntimeError(f"cannot roll a sliding-window cache back {n} positions: its last forward fed {keys.shape[2]}")
-        self.keys, self.values, self.offset, self._idx = r[:4]
-        del r  # the restored buffer must be the only reference, so the in-place writes donate it
-        for j in range(m):
+            raise RuntimeError(f"cannot roll a sliding-window cache back {n} positions: its last forward fed {S}")
+        if kind == "ring":
+            if n == 0:
+                return  # already the state plain decoding holds
+            if m > 0:
+                self._set_ring(r[2], r[3], r[4], pre[2], m)
+                return
+        keys, values = (r[2], r[3]) if kind == "wide" else (None, None)
+        self.keys, self.values, self.offset, self._idx = pre
+        del r, pre  # the restored buffer must be the only reference, so the in-place writes donate it
+        for j in range(m):  # kind "wide": plain decoding's own in-place writes of the kept tokens
             self._update_in_place(keys[..., j : j + 1, :], values[..., j : j + 1, :])
 
 
@@ -72,6 +169,13 @@ def convert_cache(cache: list) -> list:
             c = RewindableRotatingKVCache(c.max_size, c.keep)
         out.append(c)
     return out
+
+
+def mark_verify(cache, verify: bool) -> None:
+    """Tell the sliding-window caches whether the coming forward is a verify round."""
+    for c in cache or ():
+        if isinstance(c, RewindableRotatingKVCache):
+            c.verify = verify
 
 
 def has_rotating(cache: list) -> bool:

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UserError
-from . import invariance
+from . import invariance, sliding
 
 
 @dataclass
@@ -180,6 +180,7 @@ class Target:
                 (taps and self.tap_refusal):
             self.check_speculation(taps)  # a verify round (or a tapped forward) on a target that failed the probe
         w = tokens.shape[1]
+        sliding.mark_verify(cache, w > 1 and not last_only)  # sliding windows: verify in plain ring order
         if self.decode_width and cache is not None and (not last_only or w == 1) and invariance.fixed_width_ok(cache):
             logits, hidden = invariance.forward_fixed(self, tokens, cache, taps, self.decode_width)
             return ForwardOut(logits, hidden)
