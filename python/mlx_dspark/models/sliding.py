@@ -49,8 +49,52 @@ class VerifyLayout:
 
 @lru_cache(maxsize=1024)
 def _verify_layout(buffer: int, offset: int, idx: int, keep: int, max_size: int, width: int) -> VerifyLayout | None:
-    """Run mlx-lm's in-place update on ids for `width` plain steps; merge the rings they attend
-    over into one order (None when no single order holds them all)."""
+    """Where each of `width` plain steps writes and what it attends over, merged into one order
+    (None when no single order holds them all). A full ring (the steady state) in closed form,
+    every other state by running mlx-lm's own in-place update on ids."""
+    if buffer == max_size and offset >= max_size and width <= max_size - keep:
+        return _full_ring_layout(idx, keep, max_size, width)
+    return _simulated_layout(buffer, offset, idx, keep, max_size, width)
+
+
+def _full_ring_layout(idx: int, keep: int, max_size: int, width: int) -> VerifyLayout:
+    """Step j writes slot keep + (idx - keep + j) mod (max_size - keep) (idx = max_size wraps to
+    keep) and attends over all max_size slots in slot order. Merged order: slot by slot, the block's
+    entry written there, then the old one; each is visible from its write to its overwrite (a
+    test holds each step's visible entries equal to what `plain_steps` says the step sees)."""
+    import numpy as np
+
+    ring = max_size - keep
+    start = keep if idx >= max_size else idx
+    slots = [keep + (start - keep + j) % ring for j in range(width)]
+    written = {s: j for j, s in enumerate(slots)}  # width <= ring: each slot at most once
+    order, life = [], []
+    for s in range(max_size):
+        j = written.get(s)
+        if j is not None:
+            order.append(max_size + 1 + j)
+            life.append((j, width))
+        if j != 0:  # the old entry, while it lives
+            order.append(s + 1)
+            life.append((0, width if j is None else j))
+    lo, hi = np.array(life).T
+    steps = np.arange(width)[:, None]
+    lay = VerifyLayout.__new__(VerifyLayout)
+    lay.index = mx.array(order, dtype=mx.int32)
+    lay.mask = mx.array((steps >= lo[None]) & (steps < hi[None]))
+    base = np.arange(1, max_size + 1)
+    lay.rings = []
+    for j, s in enumerate(slots):
+        base = base.copy()
+        base[s] = max_size + 1 + j
+        lay.rings.append((mx.array(base.astype(np.int32)), s + 1))
+    return lay
+
+
+def plain_steps(buffer: int, offset: int, idx: int, keep: int, max_size: int, width: int):
+    """mlx-lm's own in-place update run on ids for `width` plain steps: for each, the ids it
+    attends over (in order) and the ring it leaves (slot contents, _idx). Ids: 0 an unwritten
+    slot, 1..buffer the ring's slots, buffer+1.. the block's tokens."""
     sim = RotatingKVCache(max_size, keep)
     if buffer:
         sim.keys = mx.arange(1, buffer + 1, dtype=mx.float32).reshape(1, 1, buffer, 1)
@@ -62,18 +106,39 @@ def _verify_layout(buffer: int, offset: int, idx: int, keep: int, max_size: int,
         k, _ = sim._update_in_place(new, new)
         seqs.append([int(x) for x in k.reshape(-1).tolist()])
         rings.append(([int(x) for x in sim.keys.reshape(-1).tolist()], sim._idx))
-    order: list[int] = []
+    return seqs, rings
+
+
+def _simulated_layout(buffer: int, offset: int, idx: int, keep: int, max_size: int, width: int) -> VerifyLayout | None:
+    seqs, rings = plain_steps(buffer, offset, idx, keep, max_size, width)
+    order = _merge(seqs)
+    if order is None or 0 in order:  # no single order, or a step would attend to an unwritten slot
+        return None
+    return VerifyLayout(order, [set(seq) for seq in seqs], rings)
+
+
+def _merge(seqs: list[list[int]]) -> list[int] | None:
+    """One order of which every sequence is a subsequence: each item new to a sequence goes right
+    after its predecessor there (a linked list, so O(total length)); None when that fails."""
+    head, nxt = None, {}
     for seq in seqs:
         for t, x in enumerate(seq):
-            if x not in order:
-                order.insert(order.index(seq[t - 1]) + 1 if t else 0, x)
-    if 0 in order:  # a step would attend to an unwritten slot: not a layout this handles
-        return None
-    for seq in seqs:  # each ring order must be a subsequence of the merged one
-        pos = [order.index(x) for x in seq]
-        if pos != sorted(pos):
+            if x in nxt or x == head:
+                continue
+            if t == 0:
+                nxt[x], head = head, x
+            else:
+                nxt[x], nxt[seq[t - 1]] = nxt.get(seq[t - 1]), x
+    order, x = [], head
+    while x is not None:
+        order.append(x)
+        x = nxt.get(x)
+    pos = {x: i for i, x in enumerate(order)}
+    for seq in seqs:
+        p = [pos[x] for x in seq]
+        if any(a >= b for a, b in zip(p, p[1:])):
             return None
-    return VerifyLayout(order, [set(seq) for seq in seqs], rings)
+    return order
 
 
 class RewindableRotatingKVCache(RotatingKVCache):
