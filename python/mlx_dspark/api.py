@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -12,6 +10,7 @@ from typing import Callable, Iterator, Sequence
 from .decode import loop
 from .decode.modes import DEFAULT_MAX_DRAFT, make_proposer
 from .decode.sampling import SamplingParams
+from .decode.text_stream import TextStream
 from .errors import UserError, option
 from .models.loading import load_target
 from .models.target import Target
@@ -85,75 +84,6 @@ def encode_prompt(tokenizer, prompt, *, chat_template: bool = True, enable_think
     return list(tokenizer.encode(prompt))
 
 
-class TextStream:
-    """Token ids in, text out: safe for multi-byte characters split across tokens, and for stop
-    strings split across chunks (text that could still start a stop string is held back).
-
-    Tokens are fed one at a time so that the token completing a stop string is known exactly:
-    `stop_string` is the string that matched, `stop_token_index` the index of that token."""
-
-    def __init__(self, tokenizer, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
-                 keep_leading_space: bool = False):
-        from .compat import fresh_detokenizer
-
-        self.detok = fresh_detokenizer(tokenizer, keep_leading_space)
-        self.stop = [s for s in stop if s]
-        self.on_text = on_text
-        self.text = ""
-        self.emitted = 0
-        self.n_tokens = 0
-        self.stopped = False
-        self.stop_string: str | None = None
-        self.stop_token_index: int | None = None
-
-    def _emit(self, upto: int) -> None:
-        if upto > self.emitted and self.on_text is not None:
-            self.on_text(self.text[self.emitted : upto])
-        self.emitted = max(self.emitted, upto)
-
-    def _check_stop(self) -> bool:
-        hits = [(self.text.find(s), s) for s in self.stop if s in self.text]
-        if not hits:
-            return False
-        at, s = min(hits)
-        self.text = self.text[:at]
-        self.stopped, self.stop_string = True, s
-        self.stop_token_index = self.n_tokens - 1
-        return True
-
-    def add(self, tokens: Sequence[int]) -> bool:
-        """Feed tokens; return True once a stop string has been produced."""
-        for t in tokens:
-            self.detok.add_token(int(t))
-            self.n_tokens += 1
-            if self.stop:
-                self.text = self.detok.text
-                if self._check_stop():
-                    self._emit(len(self.text))
-                    return True
-        self.text = self.detok.text
-        hold = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        text_ready = len(self.text) - hold
-        # A trailing replacement char means an incomplete multi-byte sequence: hold it back.
-        while text_ready > self.emitted and self.text[text_ready - 1] == "\ufffd":
-            text_ready -= 1
-        self._emit(text_ready)
-        return False
-
-    def finish(self) -> str:
-        if not self.stopped:
-            self.detok.finalize()
-            self.text = self.detok.text
-            self._check_stop()
-        self._emit(len(self.text))
-        return self.text
-
-
 def stop_token_ids(target: Target, tokenizer) -> list[int]:
     ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
     eos = getattr(tokenizer, "eos_token_id", None)
@@ -196,19 +126,72 @@ def drafter_for(target: Target, mode: str = "auto", drafter=None, *, bits: int |
     return known[key]
 
 
-def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None, proposer=None,
-             max_new_tokens: int = 256, max_draft: int | None = None, sampling: SamplingParams | None = None,
-             stop: Sequence[str] = (), chat_template: bool = True, enable_thinking: bool | None = None,
-             on_text: Callable[[str], None] | None = None, cancel: Callable[[], bool] | None = None,
-             lookup_long_draft: int = 32, prompt_ids: Sequence[int] | None = None,
-             keep_leading_space: bool = False, drafter_bits: int | None = None, draft_vocab="auto",
-             **drafter_options) -> GenerationResult:
+def generate(target: Target, tokenizer, prompt, **kwargs) -> GenerationResult:
     """Generate from `prompt` (text or chat messages; or pass `prompt_ids`) with the given mode.
 
     `mode="auto"` runs the target's registered DSpark (else DFlash) drafter, else lookup, as the
     CLI does; `drafter` may be a loaded drafter, a repo id or a folder (`drafter_for`).
     Output tokens equal plain greedy decoding of `target` at temperature 0, and are an exact
-    sample of it at temperature > 0, whatever the mode."""
+    sample of it at temperature > 0, whatever the mode. Arguments: see `start`."""
+    return start(target, tokenizer, prompt, **kwargs).run()
+
+
+def stream_generate(target: Target, tokenizer, prompt, **kwargs) -> Iterator[str | GenerationResult]:
+    """Yield text chunks as they are committed, then the GenerationResult as the last item.
+    Runs in the caller's thread, one step per chunk; leaving the loop early ends the generation."""
+    run = start(target, tokenizer, prompt, **kwargs)
+    sent = 0
+    try:
+        for commit in run:
+            if commit.text:
+                sent += len(commit.text)
+                yield commit.text
+        tail = run.stream.finish()[sent:]
+        if tail:
+            yield tail
+        yield run.result()
+    finally:
+        run.generation.cancel()
+
+
+class TextGeneration:
+    """A Generation with its text stream and the mode that runs it: what generate(),
+    stream_generate() and the server step. Iterating steps it; `result()` reads the outcome."""
+
+    def __init__(self, generation: loop.Generation, stream: TextStream, target: Target, mode: str,
+                 cancel: Callable[[], bool] | None = None):
+        self.generation, self.stream, self.target, self.mode = generation, stream, target, mode
+        self.cancel_check = cancel
+
+    def __iter__(self):
+        g = self.generation
+        while not g.done:
+            commit = g.step()
+            if self.cancel_check is not None and not g.done and self.cancel_check():
+                g.cancel()
+            yield commit
+
+    def run(self) -> GenerationResult:
+        for _ in self:
+            pass
+        return self.result()
+
+    def result(self) -> GenerationResult:
+        return _result(self.generation, self.target, self.stream, self.mode)
+
+
+def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None, proposer=None,
+          max_new_tokens: int = 256, max_draft: int | None = None, sampling: SamplingParams | None = None,
+          stop: Sequence[str] = (), chat_template: bool = True, enable_thinking: bool | None = None,
+          on_text: Callable[[str], None] | None = None, cancel: Callable[[], bool] | None = None,
+          lookup_long_draft: int = 32, prompt_ids: Sequence[int] | None = None,
+          keep_leading_space: bool = False, drafter_bits: int | None = None, draft_vocab="auto",
+          cache: list | None = None, reuse=None, keep_state: bool = False,
+          **drafter_options) -> TextGeneration:
+    """A TextGeneration, not stepped yet. `on_text` receives text as it is committed; `cancel()`
+    is asked between steps (and between prefill chunks). `cache`, `reuse`, `keep_state`: a
+    prefix-cache hit to continue from, and whether to keep the state for the next one
+    (decode/loop.py's Generation)."""
     if max_new_tokens is None or int(max_new_tokens) < 1:
         raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     sampling = sampling or SamplingParams()
@@ -221,6 +204,11 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
         drafter = drafter_for(target, mode, drafter, bits=drafter_bits, draft_vocab=draft_vocab)
         proposer = make_proposer(mode, drafter=drafter, lookup_long_draft=lookup_long_draft, **drafter_options)
     resolved_mode = proposer.name
+    if max_draft == "auto":  # the measured cost model picks draft lengths (decode/policy.py)
+        from .decode.policy import apply_auto
+
+        proposer, max_draft = apply_auto(target, proposer, mode, lookup_long_draft)
+        resolved_mode = proposer.name
     if max_draft is None or max_draft == 0:
         block = getattr(proposer, "block_drafts", None)  # drafters: the full block
         max_draft = block if block else DEFAULT_MAX_DRAFT.get(resolved_mode, 16)
@@ -231,23 +219,20 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
     if max_draft < 0:
         raise UserError(f"{option('max-draft')} must be >= 0, got {max_draft}")
     stream = TextStream(tokenizer, stop, on_text, keep_leading_space=keep_leading_space)
+    g = loop.Generation(target, ids, proposer, max_new_tokens=int(max_new_tokens), max_draft=int(max_draft),
+                        sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer),
+                        should_cancel=cancel, text=stream, cache=cache, reuse=reuse, keep_state=keep_state)
+    return TextGeneration(g, stream, target, resolved_mode, cancel)
 
-    def on_tokens(new: list[int]):
-        if stream.add(new):
-            return "stop"
-        if cancel is not None and cancel():
-            return "cancel"
-        return None
 
-    res = loop.run(target, ids, proposer, max_new_tokens=int(max_new_tokens), max_draft=int(max_draft),
-                   sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer), on_tokens=on_tokens,
-                   should_cancel=cancel)
+def _result(g: loop.Generation, target: Target, stream: TextStream, mode: str) -> GenerationResult:
+    res = g.res
     text = stream.finish()
     stats = dict(res.proposer_stats)
     if res.speculation_off:
         stats.update(speculation_off=res.speculation_off, speculation_off_at_token=res.speculation_off_at)
         if not any(res.drafted):
-            resolved_mode = "baseline"  # what actually ran
+            mode = "baseline"  # what actually ran
     tokens, logprobs, accept_lengths = res.tokens, res.logprobs, res.accept_lengths
     if stream.stop_token_index is not None:
         res.finish_reason = "stop"
@@ -256,7 +241,7 @@ def generate(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=N
         accept_lengths = _rounds_within(accept_lengths, len(tokens))
     return GenerationResult(text=text, tokens=tokens, prompt_tokens=res.prompt_tokens,
                             accept_lengths=accept_lengths, finish_reason=res.finish_reason,
-                            prefill_s=res.prefill_s, decode_s=res.decode_s, mode=resolved_mode,
+                            prefill_s=res.prefill_s, decode_s=res.decode_s, mode=mode,
                             model=target.name, logprobs=logprobs, stats=stats,
                             stop_string=stream.stop_string)
 
@@ -273,34 +258,4 @@ def _rounds_within(accept_lengths: list[int], n_tokens: int) -> list[int]:
     return out
 
 
-def stream_generate(target: Target, tokenizer, prompt, **kwargs) -> Iterator[str | GenerationResult]:
-    """Yield text chunks as they are committed, then the GenerationResult as the last item."""
-    q: queue.Queue = queue.Queue()
-    stop_flag = threading.Event()
-    user_cancel = kwargs.pop("cancel", None)
-
-    def cancel():
-        return stop_flag.is_set() or (user_cancel is not None and user_cancel())
-
-    def work():
-        try:
-            q.put(generate(target, tokenizer, prompt, on_text=q.put, cancel=cancel, **kwargs))
-        except BaseException as e:  # handed to the consumer
-            q.put(e)
-
-    th = threading.Thread(target=work, daemon=True)
-    th.start()
-    try:
-        while True:
-            item = q.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, GenerationResult):
-                return
-    finally:
-        stop_flag.set()
-        th.join()
-
-
-__all__ = ["GenerationResult", "drafter_for", "generate", "stream_generate", "load_target", "encode_prompt", "SamplingParams"]
+__all__ = ["GenerationResult", "TextGeneration", "TextStream", "drafter_for", "generate", "start", "stream_generate", "load_target", "encode_prompt", "SamplingParams"]

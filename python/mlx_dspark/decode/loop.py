@@ -98,138 +98,286 @@ def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[
     return out.logits[0, -1], hidden
 
 
-def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None, *,
-        max_new_tokens: int = 256, max_draft: int = 16, sampling: SamplingParams | None = None,
-        stop_token_ids: Sequence[int] = (), on_tokens: TokenCallback | None = None,
-        cache: list | None = None, should_cancel: Callable[[], bool] | None = None) -> LoopResult:
-    """Generate up to `max_new_tokens` after `prompt` (token ids). Output is exactly what plain
-    decoding of `target` gives (greedy), or an exact sample of it (T > 0)."""
-    proposer = proposer or Proposer()
-    sampling = sampling or SamplingParams()
-    acceptor = make_acceptor(sampling)
-    if hasattr(acceptor, "begin"):
-        acceptor.begin(prompt)  # penalties count generated tokens only
-    stops = set(int(t) for t in stop_token_ids)
-    res = LoopResult(prompt_tokens=len(prompt))
-    if sampling.logprobs:
-        res.logprobs = []
-    history = list(prompt)
-    cache = cache if cache is not None else target.make_cache()
-    taps = tuple(proposer.taps)
-    speculate = _drafts(proposer)
-    if speculate and not target.can_trim(cache, 1):
-        _switch_off(res, target, cache)  # no drafts and no taps from the start: plain decoding
-        speculate, taps = False, ()
+@dataclass
+class Commit:
+    """What one step committed: token ids and, when the generation decodes text, their text."""
+    tokens: list[int]
+    text: str = ""
 
-    t0 = time.perf_counter()
-    logits, prompt_hidden = _prefill(target, cache, prompt, taps, should_cancel)
-    if logits is None:
-        res.finish_reason = "cancelled"
-        res.prefill_s = time.perf_counter() - t0
-        return res
-    pending = acceptor.sample(logits, history)
-    pending_row = logits[None] if sampling.logprobs else None
-    pending_is_round = False  # the first token after prefill is not a round
-    mx.async_eval(pending)
-    if speculate:
-        proposer.begin(target, prompt, prompt_hidden)
-    mx.eval(pending)
-    res.prefill_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
 
-    def commit(tokens: list[int], rows: mx.array | None, drafted: int, is_round: bool) -> bool:
-        """Append tokens; return True when generation must end."""
-        cut = len(tokens)
-        for i, t in enumerate(tokens):
-            if t in stops:
-                cut = i
-                res.finish_reason = "stop"
-                break
-        room = max_new_tokens - len(res.tokens)
-        if cut > room:
-            cut = room
-        kept = tokens[:cut]
-        if is_round:
-            # A stop token accepted at index e ends the round with e+1 tokens and no bonus.
-            res.accept_lengths.append(min(len(tokens), cut + (1 if res.finish_reason == "stop" else 0)))
-            res.drafted.append(drafted)
-        if res.logprobs is not None and kept and rows is not None:
-            res.logprobs.extend(acceptor.token_logprobs(rows[: len(kept)], kept, history))
-        res.tokens.extend(kept)
-        history.extend(kept)
-        # Hand the kept tokens on before anything ends generation: a round that accepts drafts
-        # and then a stop token still owes its drafts to the text.
-        if kept and on_tokens is not None:
-            verdict = on_tokens(kept)
-            if verdict:
-                res.finish_reason = "cancelled" if verdict == "cancel" else "stop"
-                return True
-        if res.finish_reason == "stop":
-            return True
-        if len(res.tokens) >= max_new_tokens:
-            res.finish_reason = "length"
-            return True
-        return False
+@dataclass
+class CacheState:
+    """A generation's target cache and what it holds, as the prefix cache keeps it: `tokens` are
+    exactly the positions in `layers` (mlx-lm cache states), `hidden` their tapped rows for
+    `taps` (None where none were kept)."""
+    tokens: list[int]
+    layers: list  # [(cache class, state, meta_state)] per layer
+    taps: tuple[int, ...] = ()
+    hidden: mx.array | None = None
 
-    done = max_new_tokens <= 0
-    if done:
-        res.finish_reason = "length"
-    while not done:
-        remaining = max_new_tokens - len(res.tokens)
-        plain = (pending is not None and acceptor.lazy_ok and remaining > 1
-                 and not (speculate and proposer.wants_round(history)))
+
+class Generation:
+    """One generation you can step. It owns the target cache, the proposer's state, the
+    acceptor (and its RNG), the history and, when given a text stream, the detokenizer and the
+    stop strings. `step()` runs prefill first, then one round or one pipelined plain step, and
+    returns what it committed; text is derived from each commit, so no committed token can miss
+    the text. Cancelling is not stepping again (or `cancel()`, which records it).
+
+    `reuse=(n, hidden)`: the first `n` prompt positions are already in `cache` (a prefix-cache
+    hit; `hidden` their tapped rows when the proposer taps), so prefill feeds the rest only.
+    `keep_state=True` keeps what `snapshot()` needs to hand the cache to a prefix cache."""
+
+    def __init__(self, target: Target, prompt: Sequence[int], proposer: Proposer | None = None, *,
+                 max_new_tokens: int = 256, max_draft: int = 16, sampling: SamplingParams | None = None,
+                 stop_token_ids: Sequence[int] = (), cache: list | None = None,
+                 should_cancel: Callable[[], bool] | None = None, text=None,
+                 reuse: tuple[int, mx.array | None] | None = None, keep_state: bool = False):
+        self.target, self.prompt = target, list(prompt)
+        self.proposer = proposer or Proposer()
+        self.sampling = sampling or SamplingParams()
+        self.acceptor = make_acceptor(self.sampling)
+        if hasattr(self.acceptor, "begin"):
+            self.acceptor.begin(self.prompt)  # penalties count generated tokens only
+        self.max_new_tokens, self.max_draft = int(max_new_tokens), int(max_draft)
+        self.stops = set(int(t) for t in stop_token_ids)
+        self.should_cancel, self.text = should_cancel, text
+        self.res = LoopResult(prompt_tokens=len(self.prompt))
+        if self.sampling.logprobs:
+            self.res.logprobs = []
+        self.history = list(self.prompt)
+        self.cache = cache if cache is not None else target.make_cache()
+        self.taps = tuple(self.proposer.taps)
+        self.speculate = _drafts(self.proposer)
+        if self.speculate and not target.can_trim(self.cache, 1):
+            _switch_off(self.res, target, self.cache)  # no drafts and no taps from the start
+            self.speculate, self.taps = False, ()
+        self.reuse = reuse
+        self.keep_state = keep_state
+        self.fed: list[int] = []  # the tokens in the target cache, in order (with keep_state)
+        self.fed_hidden: list[mx.array] = []  # their tapped rows, in chunks (with keep_state)
+        self.kept_taps = self.taps
+        self.pending: mx.array | None = None
+        self.pending_row: mx.array | None = None
+        self.pending_is_round = False
+        self.prefilled = False
+        self.done = False
+        self._t_decode = 0.0
+
+    # ------------------------------------------------------------------ driving
+    def __iter__(self):
+        while not self.done:
+            yield self.step()
+
+    def step(self) -> Commit:
+        """Prefill (the first call), then one round or one plain step. Returns what it committed."""
+        if self.done:
+            return Commit([])
+        if not self.prefilled:
+            return self._prefill()
+        t = time.perf_counter()
+        try:
+            return self._round()
+        finally:
+            self.res.decode_s += time.perf_counter() - t
+
+    def cancel(self) -> None:
+        """End now; what was committed stays committed."""
+        if not self.done:
+            self.res.finish_reason = "cancelled"
+            self._finish()
+
+    def run(self) -> LoopResult:
+        for _ in self:
+            pass
+        return self.res
+
+    # ------------------------------------------------------------------ state
+    def snapshot(self) -> CacheState | None:
+        """The target cache and the tokens it holds (needs keep_state); None before prefill."""
+        if not self.keep_state or not self.prefilled:
+            return None
+        hidden = None
+        if self.kept_taps and self.fed_hidden:
+            hidden = mx.concatenate(self.fed_hidden, axis=0)
+            if hidden.shape[0] != len(self.fed):
+                hidden = None
+        layers = [(type(c), c.state, c.meta_state) for c in self.cache]
+        return CacheState(tokens=list(self.fed), layers=layers, taps=self.kept_taps if hidden is not None else (),
+                          hidden=hidden)
+
+    def _fed(self, tokens: list[int], hidden: mx.array | None) -> None:
+        if not self.keep_state:
+            return
+        self.fed.extend(tokens)
+        if self.kept_taps and hidden is not None:
+            self.fed_hidden.append(hidden)
+        elif self.kept_taps:
+            self.kept_taps, self.fed_hidden = (), []  # taps stopped: keep no partial rows
+
+    def _trim(self, n: int) -> None:
+        if n <= 0:
+            return
+        self.target.trim(self.cache, n)
+        if not self.keep_state:
+            return
+        del self.fed[-n:]
+        while n and self.fed_hidden:
+            last = self.fed_hidden[-1]
+            if last.shape[0] <= n:
+                n -= last.shape[0]
+                self.fed_hidden.pop()
+            else:
+                self.fed_hidden[-1] = last[: last.shape[0] - n]
+                n = 0
+
+    # ------------------------------------------------------------------ steps
+    def _prefill(self) -> Commit:
+        t0 = time.perf_counter()
+        self.prefilled = True
+        n_reused, reused_hidden = self.reuse or (0, None)
+        if n_reused:
+            self.fed = list(self.prompt[:n_reused]) if self.keep_state else []
+            if self.keep_state and self.kept_taps and reused_hidden is not None:
+                self.fed_hidden = [reused_hidden]
+        logits, hidden = _prefill(self.target, self.cache, self.prompt[n_reused:], self.taps, self.should_cancel)
+        if logits is None:
+            self.res.prefill_s = time.perf_counter() - t0
+            self.res.finish_reason = "cancelled"
+            self._finish()
+            return Commit([])
+        self._fed(self.prompt[n_reused:], hidden)
+        if n_reused and hidden is not None:
+            hidden = mx.concatenate([reused_hidden, hidden], axis=0) if reused_hidden is not None else None
+        self.pending = self.acceptor.sample(logits, self.history)
+        self.pending_row = logits[None] if self.sampling.logprobs else None
+        mx.async_eval(self.pending)
+        if self.speculate:
+            self.proposer.begin(self.target, self.prompt, hidden)
+        mx.eval(self.pending)
+        self.res.prefill_s = time.perf_counter() - t0
+        if self.max_new_tokens <= 0:
+            self.res.finish_reason = "length"
+            self._finish()
+        return Commit([])
+
+    def _round(self) -> Commit:
+        target, cache, acceptor, taps = self.target, self.cache, self.acceptor, self.taps
+        remaining = self.max_new_tokens - len(self.res.tokens)
+        plain = (self.pending is not None and acceptor.lazy_ok and remaining > 1
+                 and not (self.speculate and self.proposer.wants_round(self.history)))
         if plain:
             # Pipelined plain step: enqueue the forward of the pending token, then read it back.
-            out = target.forward(pending.reshape(1, 1), cache, taps=taps)
-            nxt = acceptor.sample(out.logits[0, -1], history) if acceptor.lazy_ok else None
-            if nxt is not None:
-                mx.async_eval(nxt)
-            tok = int(pending.item())
-            if commit([tok], pending_row, 0, pending_is_round):
+            out = target.forward(self.pending.reshape(1, 1), cache, taps=taps)
+            nxt = acceptor.sample(out.logits[0, -1], self.history)
+            mx.async_eval(nxt)
+            tok = int(self.pending.item())
+            self._fed([tok], out.hidden[0] if taps else None)
+            commit = self._commit([tok], self.pending_row, 0, self.pending_is_round)
+            if self.done:
                 if target.can_trim(cache, 1):
-                    target.trim(cache, 1)  # the pending token's forward was not needed
-                break
+                    self._trim(1)  # the pending token's forward was not needed
+                return commit
             if taps:
-                proposer.observe(0, 0, out.hidden[0])
-            if nxt is None:
-                nxt = acceptor.sample(out.logits[0, -1], history)
-            pending, pending_is_round = nxt, True
-            pending_row = out.logits[0, -1:] if sampling.logprobs else None
-            continue
+                self.proposer.observe(0, 0, out.hidden[0])
+            self.pending, self.pending_is_round = nxt, True
+            self.pending_row = out.logits[0, -1:] if self.sampling.logprobs else None
+            return commit
 
-        if pending is not None:
-            tok = int(pending.item())
-            if commit([tok], pending_row, 0, pending_is_round):
-                break
-            pending = None
-        anchor = history[-1]
-        k = min(max_draft, max_new_tokens - len(res.tokens) - 1)
+        first = Commit([])
+        if self.pending is not None:
+            tok = int(self.pending.item())
+            self.pending = None
+            first = self._commit([tok], self.pending_row, 0, self.pending_is_round)
+            if self.done:
+                return first
+        anchor = self.history[-1]
+        k = min(self.max_draft, self.max_new_tokens - len(self.res.tokens) - 1)
         draft = Draft()
-        if k > 0 and speculate and not target.can_trim(cache, k):
-            _switch_off(res, target, cache)  # e.g. a sliding window that has filled up
-            speculate, taps = False, ()
-        if k > 0 and speculate:
-            draft = proposer.propose(history, k, sampling)
+        if k > 0 and self.speculate and not target.can_trim(cache, k):
+            _switch_off(self.res, target, cache)  # e.g. a sliding window that has filled up
+            self.speculate, self.taps, taps = False, (), ()
+        if k > 0 and self.speculate:
+            draft = self.proposer.propose(self.history, k, self.sampling)
             draft.tokens = [int(t) for t in draft.tokens[:k]]
             if draft.q is not None:
                 draft.q = draft.q[: len(draft.tokens)]
         if not draft.tokens:
             # Synchronous plain step (the proposer declined after all).
             out = target.forward(mx.array([[anchor]], dtype=mx.int32), cache, taps=taps)
+            self._fed([anchor], out.hidden[0] if taps else None)
             if taps:
-                proposer.observe(0, 0, out.hidden[0])
-            pending = acceptor.sample(out.logits[0, -1], history)
-            pending_row = out.logits[0, -1:] if sampling.logprobs else None
-            pending_is_round = True
-            continue
+                self.proposer.observe(0, 0, out.hidden[0])
+            self.pending = acceptor.sample(out.logits[0, -1], self.history)
+            self.pending_row = out.logits[0, -1:] if self.sampling.logprobs else None
+            self.pending_is_round = True
+            return first
 
         k = len(draft.tokens)
         out = target.forward(mx.array([[anchor] + draft.tokens], dtype=mx.int32), cache, taps=taps)
-        n_acc, nxt_tok = acceptor.verify(out.logits[0], draft, history)
-        target.trim(cache, k - n_acc)
-        proposer.observe(k, n_acc, out.hidden[0, : n_acc + 1] if taps else None)
-        done = commit(draft.tokens[:n_acc] + [nxt_tok], out.logits[0, : n_acc + 1], k, True)
+        n_acc, nxt_tok = acceptor.verify(out.logits[0], draft, self.history)
+        self._fed([anchor] + draft.tokens, out.hidden[0] if taps else None)
+        self._trim(k - n_acc)
+        self.proposer.observe(k, n_acc, out.hidden[0, : n_acc + 1] if taps else None)
+        commit = self._commit(draft.tokens[:n_acc] + [nxt_tok], out.logits[0, : n_acc + 1], k, True)
+        return Commit(first.tokens + commit.tokens, first.text + commit.text)
 
-    res.decode_s = time.perf_counter() - t1
-    res.proposer_stats = proposer.stats()
-    return res
+    def _commit(self, tokens: list[int], rows: mx.array | None, drafted: int, is_round: bool) -> Commit:
+        """Append tokens (cut at a stop token and at max_new_tokens), derive their text, and end
+        the generation where a stop token, a stop string or the length says so."""
+        res = self.res
+        cut = len(tokens)
+        for i, t in enumerate(tokens):
+            if t in self.stops:
+                cut = i
+                res.finish_reason = "stop"
+                break
+        cut = min(cut, self.max_new_tokens - len(res.tokens))
+        kept = tokens[:cut]
+        if is_round:
+            # A stop token accepted at index e ends the round with e+1 tokens and no bonus.
+            res.accept_lengths.append(min(len(tokens), cut + (1 if res.finish_reason == "stop" else 0)))
+            res.drafted.append(drafted)
+        if res.logprobs is not None and kept and rows is not None:
+            res.logprobs.extend(self.acceptor.token_logprobs(rows[: len(kept)], kept, self.history))
+        res.tokens.extend(kept)
+        self.history.extend(kept)
+        before = self.text.emitted if self.text is not None else 0
+        if self.text is not None and kept and self.text.add(kept):
+            res.finish_reason = "stop"  # a stop string
+        if res.finish_reason == "stop":
+            self._finish()
+        elif len(res.tokens) >= self.max_new_tokens:
+            res.finish_reason = "length"
+            self._finish()
+        text = self.text.text[before : self.text.emitted] if self.text is not None else ""
+        return Commit(kept, text)
+
+    def _finish(self) -> None:
+        """The end: the text's held-back tail (a possible stop-string start, a split character)
+        is released, and the proposer's counters are read."""
+        self.done = True
+        if self.text is not None:
+            self.text.finish()
+        self.res.proposer_stats = self.proposer.stats()
+
+
+def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None, *,
+        max_new_tokens: int = 256, max_draft: int = 16, sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (), on_tokens: TokenCallback | None = None,
+        cache: list | None = None, should_cancel: Callable[[], bool] | None = None) -> LoopResult:
+    """Generate up to `max_new_tokens` after `prompt` (token ids): a Generation stepped to the
+    end. Output is exactly what plain decoding of `target` gives (greedy), or an exact sample of
+    it (T > 0). `on_tokens(new_ids)` may answer "stop" or "cancel" to end it."""
+    g = Generation(target, prompt, proposer, max_new_tokens=max_new_tokens, max_draft=max_draft,
+                   sampling=sampling, stop_token_ids=stop_token_ids, cache=cache, should_cancel=should_cancel)
+    for commit in g:
+        if commit.tokens and on_tokens is not None and not g.done:
+            verdict = on_tokens(commit.tokens)
+            if verdict == "cancel":
+                g.cancel()
+            elif verdict:
+                g.res.finish_reason = "stop"
+                g._finish()
+        elif commit.tokens and on_tokens is not None:
+            on_tokens(commit.tokens)
+    return g.res
