@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import time
 
@@ -114,7 +115,13 @@ BAD = [
     ("/v1/completions", lambda s: {"model": s.model, "prompt": [10**9]}, 400, "token ids"),
     ("/v1/messages", lambda s: msg(s, max_tokens=None), 400, "max_tokens"),
     ("/v1/messages", lambda s: msg(s, temperature=1.5), 400, "temperature"),
-    ("/v1/messages", lambda s: msg(s, messages=[{"role": "system", "content": "x"}]), 400, "role"),
+    ("/v1/messages", lambda s: msg(s, messages=[{"role": "system", "content": "x"}]), 400, "user or assistant"),
+    ("/v1/messages", lambda s: msg(s, messages=[{"role": "user", "content": []}]), 400, "non-empty content"),
+    ("/v1/messages/count_tokens", lambda s: {"model": s.model, "messages": [{"role": "user", "content": []}]}, 400,
+     "non-empty content"),
+    ("/v1/messages", lambda s: msg(s, messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
+    ("/v1/messages", lambda s: msg(s, max_tokens=1 << 32), 400, "[1, 2147483648], got 4294967296"),
+    ("/v1/chat/completions", lambda s: chat(s, top_p=0), 400, "(0, 1], got 0"),
     ("/v1/messages", lambda s: msg(s, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
      400, "text-only"),
     ("/v1/messages", lambda s: msg(s, tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400,
@@ -258,9 +265,19 @@ def test_context_too_long_is_refused_before_prefill(srv):
     status, data, _ = c.request("POST", "/v1/messages", msg(srv, messages=[{"role": "user", "content": long_text}]))
     assert status == 400
     err = check_envelope("/v1/messages", status, data)["error"]
-    assert err["type"] == "invalid_request_error" and err["message"].startswith("prompt is too long")
+    # The real API's two wordings (Claude Code parses the second and retries with a smaller max_tokens).
+    assert err["type"] == "invalid_request_error"
+    assert re.fullmatch(r"prompt is too long: (\d+) tokens > 4096 maximum", err["message"]), err
     status, data, _ = c.request("POST", "/v1/messages", msg(srv, max_tokens=32000))
-    assert status == 400 and json.loads(data)["error"]["message"].startswith("prompt is too long")
+    m = re.match(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+), decrease input "
+                 r"length or `max_tokens` and try again$", json.loads(data)["error"]["message"])
+    assert status == 400 and m and int(m[2]) == 32000 and int(m[3]) == 4096 and 0 < int(m[1]) < 100, data
+    status, data, _ = c.request("POST", "/v1/completions", {"model": srv.model, "prompt": "hi", "max_tokens": 5000})
+    err = json.loads(data)["error"]
+    assert status == 400 and err["param"] == "prompt" and err["code"] == "context_length_exceeded"
+    assert re.fullmatch(r"This model's maximum context length is 4096 tokens, however you requested (\d+) tokens "
+                        r"\((\d+) in your prompt; 5000 for the completion\)\. Please reduce your prompt; or "
+                        r"completion length\.", err["message"]), err
     assert srv.script.forwards == before  # nothing was prefilled
     assert time.perf_counter() - t0 < 10
     good_chat(srv, c)

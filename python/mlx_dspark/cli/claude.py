@@ -114,6 +114,15 @@ def claude_env(url: str, key: str | None, model: str, window: int | None) -> dic
     return env
 
 
+# Defaults for the child that the user's own environment overrides. Claude Code gives up on a
+# stream after 5 minutes without an event (pings do not count) and then resends the whole request:
+# a CPU prefill of its ~20k-token prompt takes longer. The rest keeps all its traffic on the
+# local server (no telemetry, error reports, update checks or other non-essential calls).
+LOCAL_DEFAULTS = {"CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "API_TIMEOUT_MS": "3600000",
+                  "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
+                  "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1"}
+
+
 def run(args) -> int:
     from ..errors import UserError
 
@@ -123,6 +132,10 @@ def run(args) -> int:
     url, key, health = locate(args)
     model = args.model or health["model"]
     env_add = claude_env(url, key, model, health.get("context_window"))
+    for k, v in LOCAL_DEFAULTS.items():
+        env_add[k] = os.environ.get(k, v)
+    if os.environ.get("CLAUDE_CODE_MAX_OUTPUT_TOKENS"):  # the user's own choice wins
+        env_add["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = os.environ["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]
     if args.print_env:
         for k, v in env_add.items():
             print(f"export {k}={shlex.quote(v)}")

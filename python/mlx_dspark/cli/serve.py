@@ -54,7 +54,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s")
     api_key = args.api_key or os.environ.get("MLX_DSPARK_API_KEY") or None
-    if args.max_draft is not None and args.max_draft < 0:
+    if isinstance(args.max_draft, int) and args.max_draft < 0:
         raise UserError(f"--max-draft must be >= 0, got {args.max_draft}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
@@ -71,6 +71,10 @@ def run(args) -> int:
                     max_queue=args.max_queue, aliases=args.model_alias, context_window=args.context_window,
                     default_thinking=False if args.no_thinking else None, default_sampling=sampling,
                     default_max_tokens=args.default_max_tokens)
+    if args.context_window and engine.trained_context and args.context_window > engine.trained_context:
+        print(f"mlx-dspark serve: warning: --context-window {args.context_window} is beyond the "
+              f"{engine.trained_context} tokens this model was trained for: it runs, but its answers past that "
+              "length may degrade", file=sys.stderr)
     engine.metrics = Metrics(model=engine.model_id, mode=engine.resolved_mode, version=__version__)
     try:
         server = make_server(engine, args.host, args.port, api_key=api_key, max_body=args.max_body_mb << 20,
@@ -78,19 +82,19 @@ def run(args) -> int:
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}): pass another --port "
                         "(is another server running? `mlx-dspark claude --print-env` lists what it finds)") from None
-    engine.start()
-    if not args.no_warmup:
-        engine.warmup()
-
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
         if not stopping.is_set():
             stopping.set()
+            engine.stop_soon()  # a warm-up or request in flight is cancelled at its next round
             threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    engine.start()
+    if not args.no_warmup:
+        engine.warmup(stopping)
     path = None
     try:
         path = discovery.write(server.port, host=args.host, model=engine.model_id, api_key=api_key,
@@ -106,10 +110,12 @@ def run(args) -> int:
         server.serve_forever(poll_interval=0.2)
     finally:
         discovery.remove(path)
-        engine.stop(timeout=10.0)
+        engine.stop(timeout=10.0)  # cancels the running and queued Jobs; their clients get a 503 / error frame
+        server.wait_idle(3.0)  # let the handlers write those last frames
         server.server_close()
     print("mlx-dspark serve: stopped", file=sys.stderr, flush=True)
-    if engine.busy:  # a prefill that outlived the grace period: do not wait for it
-        os._exit(0)
-    return 0
+    sys.stdout.flush()
+    # Exit without interpreter teardown: daemon handler threads and a prefill that outlived the
+    # grace period must not meet C++ static destructors (that aborted with exit 134).
+    os._exit(0)
 

@@ -25,10 +25,11 @@ def error_body(err: ApiError) -> dict:
 
 
 def _refuse(prompt: int, asked: int | None, window: int) -> ApiError:
-    if asked is None:
+    """The real API's two wordings: Claude Code lowers `max_tokens` and retries on the second."""
+    if asked is None or prompt >= window:
         return invalid(f"prompt is too long: {prompt} tokens > {window} maximum")
-    return invalid(f"prompt is too long: {prompt} tokens + {asked} max_tokens > {window} maximum "
-                   "(the model's context window): lower max_tokens or shorten the conversation")
+    return invalid(f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > {window}, "
+                   "decrease input length or `max_tokens` and try again")
 
 
 def _nonempty(why):
@@ -36,7 +37,7 @@ def _nonempty(why):
 
 
 MESSAGE_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
-                  "top_k", "tools", "tool_choice", "thinking"}
+                  "top_k", "min_p", "seed", "tools", "tool_choice", "thinking"}
 MESSAGE_REFUSED = {"container": _nonempty("containers are not supported"),
                    "mcp_servers": _nonempty("MCP servers are not supported by this server")}
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
@@ -147,19 +148,33 @@ def normalize(body: dict) -> tuple[list[dict], bool]:
         w = f"messages[{i}]"
         if not isinstance(m, dict):
             raise invalid(f"`{w}` must be an object, got {type_name(m)}")
-        role = Fields(m, w + ".").choice("role", ("user", "assistant"))
+        role = Fields(m, w + ".").choice("role", ("user", "assistant", "system"))
         if role is None:
             raise invalid(f"`{w}.role` is required")
         if "content" not in m:
             raise invalid(f"`{w}.content` is required")
         blocks = _blocks(m["content"], w + ".content")
-        if role == "assistant":
+        if not blocks and not (role == "assistant" and i == len(msgs) - 1):
+            raise invalid(f"messages.{i}: all messages must have non-empty content except for the optional "
+                          "final assistant message")
+        if role == "system":  # mid-conversation system entries (Claude Code's beta); chat.render places them
+            text = _text_of(blocks, w + ".content")
+            if all(x["role"] == "system" for x in out):
+                if out:
+                    out[0]["content"] = "\n\n".join(x for x in (out[0]["content"], text) if x)
+                elif text:
+                    out.append({"role": "system", "content": text})
+            elif text:
+                out.append({"role": "system", "content": text})
+        elif role == "assistant":
             msg = _assistant(blocks, w + ".content")
             names.update({c["id"]: c["function"]["name"] for c in msg.get("tool_calls", [])})
             _append(out, msg)
         else:
             for msg in _user(blocks, w + ".content", names):
                 _append(out, msg)
+    if not any(x["role"] != "system" for x in out):
+        raise invalid("messages: at least one user or assistant message is required")
     last = out[-1]
     prefill = last["role"] == "assistant" and not last.get("tool_calls") and bool(last["content"])
     if last["role"] == "assistant" and not prefill:
@@ -264,8 +279,8 @@ def plan_messages(engine: Engine, body: dict) -> Plan:
     stop = f.str_list("stop_sequences", max_items=64)
     stream = f.bool("stream", False)
     text, prefill = _render(engine, body, tools, choice, enable)
-    ids = chat.encode(engine.tokenizer, text)
-    budget = resolve_max_tokens(engine, len(ids), max_tokens, _refuse)
+    ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
+    budget = resolve_max_tokens(engine, n, max_tokens, _refuse)
     parser = chat.OutputParser(in_reasoning=chat.starts_in_reasoning(text), continuing=prefill,
                                tools=None if choice == "none" else tools,
                                syntaxes=chat.tool_syntaxes(engine.tokenizer))
@@ -281,7 +296,7 @@ def count_tokens(engine: Engine, body: dict) -> dict:
     choice, _ = _tool_choice(body.get("tool_choice"))
     enable, _ = _thinking(body.get("thinking"))
     text, _ = _render(engine, body, tools, choice, enable)
-    return {"input_tokens": len(chat.encode(engine.tokenizer, text))}
+    return {"input_tokens": chat.count_tokens(engine.tokenizer, text)[0]}
 
 
 class MessagesResponder:

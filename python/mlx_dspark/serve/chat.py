@@ -41,9 +41,112 @@ class ToolCall:
 
 
 # ----------------------------------------------------------------------------- rendering
+PROBE_TOOL = "mlx_dspark_probe_tool"
+_RENDERS_TOOLS: dict = {}  # id(tokenizer) -> whether its template renders tool schemas
+
+FALLBACK_TOOLS_HEADER = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+FALLBACK_TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call>")
+
+
+def _apply(tokenizer, messages, tools, continue_final, kwargs) -> str:
+    with TOKENIZER_LOCK:
+        return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=not continue_final, **kwargs)
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the chat template puts tool schemas in the prompt (probed once per tokenizer)."""
+    key = id(tokenizer)
+    if key not in _RENDERS_TOOLS:
+        tool = {"type": "function", "function": {"name": PROBE_TOOL, "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+        try:
+            text = _apply(tokenizer, [{"role": "user", "content": "x"}], [tool], False, {})
+            _RENDERS_TOOLS[key] = isinstance(text, str) and PROBE_TOOL in text
+        except Exception:
+            _RENDERS_TOOLS[key] = False
+    return _RENDERS_TOOLS[key]
+
+
+def tools_as_text(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The documented fallback for templates without tool support: the schemas go into the system
+    turn with Hermes instructions, past calls become <tool_call> JSON in the assistant's text and
+    tool results become <tool_response> user turns. Calls are parsed back by the Hermes syntax."""
+    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    block = FALLBACK_TOOLS_HEADER + schemas + FALLBACK_TOOLS_FOOTER
+    out: list[dict] = []
+    for m in messages:
+        m = dict(m)
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m.pop("tool_calls"):
+                args = c["function"]["arguments"]
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        pass
+                calls.append("<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": args},
+                                                          ensure_ascii=False) + "\n</tool_call>")
+            m["content"] = "\n".join(x for x in [m.get("content") or ""] + calls if x)
+        elif m["role"] == "tool":
+            m = {"role": "user", "content": "<tool_response>\n" + (m.get("content") or "") + "\n</tool_response>"}
+        if out and m["role"] == "user" and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + m["content"]}
+            continue
+        out.append(m)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" if out[0]["content"] else "") + block}
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    return out
+
+
+def lead_system(messages: list[dict]) -> list[dict]:
+    """Leading system entries become one system turn (most templates read only messages[0])."""
+    n = 0
+    while n < len(messages) and messages[n]["role"] == "system":
+        n += 1
+    if n <= 1:
+        return messages
+    text = "\n\n".join(m["content"] for m in messages[:n] if m["content"])
+    return [{"role": "system", "content": text}] + messages[n:]
+
+
+def merge_mid_system(messages: list[dict]) -> list[dict]:
+    """System entries after the first turn, for templates that refuse or drop them: their text
+    joins the next user turn (or becomes a user turn when none follows)."""
+    out: list[dict] = []
+    pending: list[str] = []
+    for i, m in enumerate(messages):
+        if m["role"] == "system" and i > 0:
+            if m["content"]:
+                pending.append(m["content"])
+            continue
+        if m["role"] == "user" and pending:
+            m = {**m, "content": "\n\n".join(pending + ([m["content"]] if m["content"] else []))}
+            pending = []
+        out.append(m)
+    if pending:
+        if out and out[-1]["role"] == "user":
+            out[-1] = {**out[-1], "content": "\n\n".join([out[-1]["content"]] + pending)}
+        else:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
+
+
 def render(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, enable_thinking: bool | None = None,
            template_kwargs: dict | None = None, continue_final: bool = False) -> str:
-    """The prompt text for `messages` through the model's own chat template."""
+    """The prompt text for `messages` through the model's own chat template.
+
+    System entries anywhere are kept: leading ones merge into one system turn; later ones are a
+    system turn in place where the template renders one, else they join the next user turn.
+    Tools go through the template when it renders them, else through `tools_as_text`."""
     if not getattr(tokenizer, "has_chat_template", getattr(tokenizer, "chat_template", None) is not None):
         raise ApiError(400, "this model has no chat template: use /v1/completions with a raw prompt")
     kwargs = dict(template_kwargs or {})
@@ -51,10 +154,23 @@ def render(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, 
         kwargs["enable_thinking"] = enable_thinking
     if continue_final:
         kwargs["continue_final_message"] = True
+    messages = lead_system(messages)
+    if tools and not template_renders_tools(tokenizer):
+        messages, tools = tools_as_text(messages, tools), None
+    mid = [m["content"] for m in messages[1:] if m["role"] == "system" and m["content"]]
     try:
-        with TOKENIZER_LOCK:
-            text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                 add_generation_prompt=not continue_final, **kwargs)
+        text = None
+        if mid:
+            try:
+                text = _apply(tokenizer, messages, tools, continue_final, kwargs)
+                if not isinstance(text, str) or not all(c in text for c in mid):
+                    text = None  # the template dropped them
+            except Exception:
+                text = None
+            if text is None:
+                messages = merge_mid_system(messages)
+        if text is None:
+            text = _apply(tokenizer, messages, tools, continue_final, kwargs)
     except Exception as e:  # jinja raises anything: the input caused it, so it is a 400
         msg = str(e) or type(e).__name__
         raise ApiError(400, f"the model's chat template could not render these messages: {msg}") from None
@@ -69,6 +185,53 @@ def encode(tokenizer, text: str, *, special: bool = False) -> list[int]:
             return list(tokenizer.encode(text, add_special_tokens=special))
     except Exception as e:  # e.g. lone surrogates that survived JSON decoding
         raise ApiError(400, f"the prompt could not be tokenized: {e}") from None
+
+
+COUNT_CHUNK = 1 << 16  # characters per piece when a long text is counted piece by piece
+
+
+def _pieces(text: str, size: int = COUNT_CHUNK):
+    """`text` cut before a space that follows a non-space and precedes a letter or digit: a
+    boundary of the byte-level and metaspace pre-tokenizers, so piece counts add up."""
+    i, n = 0, len(text)
+    while i < n:
+        j = min(i + size, n)
+        if j < n:
+            k = text.rfind(" ", i + size // 2, j)
+            while k > i and (text[k - 1].isspace() or not text[k + 1: k + 2].isalnum()):
+                k = text.rfind(" ", i + size // 2, k)
+            if k > i:
+                j = k
+        yield text[i:j]
+        i = j
+
+
+def count_tokens(tokenizer, text: str, *, special: bool = False, stop_above: int | None = None) -> tuple[int, bool]:
+    """(token count, exact) of `text`, piece by piece: the tokenizer lock is released between
+    pieces (a huge body never starves other requests) and memory stays bounded. With
+    `stop_above`, counting stops once the count passes it; the rest is extrapolated by length
+    and `exact` is False."""
+    done, total = 0, 0
+    for piece in _pieces(text):
+        total += len(encode(tokenizer, piece, special=special and done == 0))
+        done += len(piece)
+        if stop_above is not None and total > stop_above and done < len(text):
+            return int(total * len(text) / done), False
+    return total, True
+
+
+def encode_within(tokenizer, text: str, limit: int | None, *, special: bool = False) -> tuple[list[int] | None, int]:
+    """(ids, count) of the prompt, or (None, estimate) when it surely holds more than `limit`
+    tokens. A cheap bound first: a long text is counted piece by piece and refused as soon as
+    the count passes the limit, so an over-context body of any size is refused quickly."""
+    if limit is None or len(text) <= 4 * limit + COUNT_CHUNK:
+        ids = encode(tokenizer, text, special=special)
+        return ids, len(ids)
+    n, exact = count_tokens(tokenizer, text, special=special, stop_above=limit)
+    if n > limit:
+        return None, n
+    ids = encode(tokenizer, text, special=special)
+    return ids, len(ids)
 
 
 def decode_token(tokenizer, token: int) -> str:

@@ -88,6 +88,11 @@ class QueueFull(ApiError):
                          headers={"Retry-After": "1"})
 
 
+class ShuttingDown(ApiError):
+    def __init__(self):
+        super().__init__(503, "the server is shutting down: retry on a running server", "overloaded")
+
+
 def sampled_decoding_available() -> bool:
     try:
         from ..decode import sampled  # noqa: F401
@@ -117,8 +122,10 @@ class Engine:
         self.aliases = {self.model_id, *aliases, *(a for a in (target.name, getattr(target, "source", "")) if a)}
         if getattr(target, "source", ""):
             self.aliases.add(str(target.source).rstrip("/").rsplit("/", 1)[-1])
-        window = getattr(target, "max_context", None)
-        self.context_window = min(w for w in (window, context_window) if w) if (window or context_window) else None
+        # An explicit window wins, also past the model's trained one (`serve` warns about that):
+        # Claude Code's default prompt alone (~20k tokens) exceeds small models' 8k.
+        self.trained_context = getattr(target, "max_context", None)
+        self.context_window = context_window or self.trained_context or None
         self.default_thinking = default_thinking
         self.default_sampling = default_sampling or SamplingParams()
         self.default_max_tokens = default_max_tokens
@@ -175,17 +182,23 @@ class Engine:
             if job is not None:
                 job.cancel("server shutting down")
                 job.state = "done"
-                job.events.put(("cancelled", None))
+                job.events.put(("error", ShuttingDown()))
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def warmup(self) -> None:
+    def stop_soon(self) -> None:
+        """From a signal handler: cancel what runs now, without waiting (stop() follows)."""
+        self._stop.set()
+        if self.current is not None:
+            self.current.cancel("server shutting down")
+
+    def warmup(self, abort: threading.Event | None = None) -> None:
         """One tiny generation through the engine thread (compiles kernels before the first user)."""
         ids = self.tokenizer.encode("Hello", add_special_tokens=False) or [0]
         job = self.submit(GenRequest(prompt_ids=list(ids), max_tokens=2, api="warmup"))
         deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (abort is not None and abort.is_set()):
             ev = job.next_event(1.0)
             if ev is not None and ev[0] in ("done", "error", "cancelled"):
                 return
@@ -195,6 +208,8 @@ class Engine:
         return name in self.aliases
 
     def submit(self, req: GenRequest) -> Job:
+        if self._stop.is_set() and req.api != "warmup":
+            raise ShuttingDown()
         job = Job(req)
         try:
             self._queue.put_nowait(job)
@@ -237,6 +252,8 @@ class Engine:
             try:
                 job.outcome = self._run(job)
                 final = ("done", job.outcome)
+                if self._stop.is_set() and job.outcome.result.finish_reason == "cancelled":
+                    final = ("error", ShuttingDown())
             except Exception as e:  # a server fault must not kill the engine thread
                 if not isinstance(e, (UserError, ApiError)):
                     log.error("generation failed:\n%s", traceback.format_exc())

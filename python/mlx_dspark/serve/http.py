@@ -250,11 +250,13 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
     def _route(self, method: str) -> None:
         path = self.route_path
         cfg: Config = self.server.config
+        self._check_framing()
         if cfg.loopback:
             self._check_host()
         if method == "HEAD" and path == "/":
             self._discard_body()
             return self._send_text(200, "", "text/plain")
+        self._check_auth()  # every other route, unknown ones and wrong methods included
         if method == "OPTIONS":
             self._discard_body()
             self.send_response(204)
@@ -272,16 +274,30 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             allowed = "GET, HEAD" if get_name else "POST"
             raise ApiError(405, f"{method} is not allowed on {path}: use {allowed}", headers={"Allow": allowed})
         else:
-            raise ApiError(404, f"unknown route {method} {path}: this server answers /v1/chat/completions, "
+            shown = unquote(urlsplit(self.path).path) or "/"
+            raise ApiError(404, f"unknown route {method} {shown}: this server answers /v1/chat/completions, "
                            "/v1/completions, /v1/models, /v1/messages, /v1/messages/count_tokens, /health, /metrics",
                            "not_found")
-        self._check_auth()
         if method == "POST":
             self._check_content_type()
             body = parse_json_body(self._read_body())
             return self._post(post_name, body)
         self._discard_body()
         return self._get(self.route_name, path)
+
+    def _check_framing(self) -> None:
+        """Ambiguous body framing (request smuggling): answered 400, and the connection closed."""
+        lengths = {v.strip() for v in self.headers.get_all("Content-Length") or []}
+        chunked = any("chunked" in v.lower() for v in self.headers.get_all("Transfer-Encoding") or [])
+        why = None
+        if len(lengths) > 1:
+            why = "the request has several different Content-Length headers"
+        elif lengths and chunked:
+            why = "the request has both Content-Length and Transfer-Encoding: chunked"
+        if why:
+            self.close_connection = True
+            self.body_pending = False
+            raise ApiError(400, why + ": send exactly one of them")
 
     def _check_host(self) -> None:
         host = self.headers.get("Host")
@@ -336,12 +352,14 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
                    "messages": anthropic.plan_messages}[name]
         plan = planner(engine, body)
         job = engine.submit(plan.req)
+        self.server.track(+1)
         try:
             if plan.stream:
                 self._stream(plan, job)
             else:
                 self._answer(plan, job)
         finally:
+            self.server.track(-1)
             if job.state != "done":
                 job.cancel("client disconnected" if self.close_connection else "request ended")
 
@@ -479,8 +497,22 @@ class Server(ThreadingHTTPServer):
         self.metrics = metrics
         self.started = int(time.time())
         self._active = 0
+        self.inflight = 0
         self._active_lock = threading.Lock()
         super().__init__(address, Handler)
+
+    def track(self, n: int) -> None:
+        """Count requests that hold a Job (shutdown waits for their last frame to be written)."""
+        with self._active_lock:
+            self.inflight += n
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.inflight <= 0:
+                return True
+            time.sleep(0.02)
+        return self.inflight <= 0
 
     @property
     def port(self) -> int:

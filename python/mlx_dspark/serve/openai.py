@@ -44,6 +44,15 @@ def _refuse(prompt: int, asked: int | None, window: int) -> ApiError:
     return ApiError(400, msg, param="messages", code="context_length_exceeded")
 
 
+def _refuse_completion(prompt: int, asked: int | None, window: int) -> ApiError:
+    """The legacy completions endpoint's own wording (it names the prompt, not messages)."""
+    asked = asked or 0
+    msg = (f"This model's maximum context length is {window} tokens, however you requested {prompt + asked} "
+           f"tokens ({prompt} in your prompt; {asked} for the completion). Please reduce your prompt; or "
+           "completion length.")
+    return ApiError(400, msg, param="prompt", code="context_length_exceeded")
+
+
 def _model(engine: Engine, f: Fields) -> str:
     name = f.str("model", required=True)
     if not engine.accepts_model(name):
@@ -271,8 +280,8 @@ def plan_chat(engine: Engine, body: dict) -> Plan:
     max_tokens = _max_tokens(f)
 
     text = chat.render(engine.tokenizer, messages, tools=tools, enable_thinking=thinking, template_kwargs=kwargs)
-    ids = chat.encode(engine.tokenizer, text)
-    budget = resolve_max_tokens(engine, len(ids), max_tokens, _refuse)
+    ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
+    budget = resolve_max_tokens(engine, n, max_tokens, _refuse)
     parser = chat.OutputParser(in_reasoning=chat.starts_in_reasoning(text), tools=tools,
                                syntaxes=chat.tool_syntaxes(engine.tokenizer))
     resp = ChatResponder(engine, model, ignored, parallel=parallel, usage_chunk=usage_chunk)
@@ -379,7 +388,9 @@ def plan_completion(engine: Engine, body: dict) -> Plan:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("`prompt` must not be empty", param="prompt")
-        ids = chat.encode(engine.tokenizer, prompt, special=True)
+        ids, n = chat.encode_within(engine.tokenizer, prompt, engine.context_window, special=True)
+        if ids is None:
+            raise _refuse_completion(n, None, engine.context_window)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = engine.target.vocab_size or (1 << 31)
         if not all(0 <= t < vocab for t in prompt):
@@ -397,7 +408,7 @@ def plan_completion(engine: Engine, body: dict) -> Plan:
     stop = f.str_list("stop", allow_str=True)
     stream = f.bool("stream", False)
     usage_chunk = Fields(f.dict("stream_options", {}), "stream_options.").bool("include_usage", False)
-    budget = resolve_max_tokens(engine, len(ids), f.int("max_tokens", 16, lo=1, hi=1 << 31), _refuse)
+    budget = resolve_max_tokens(engine, len(ids), f.int("max_tokens", 16, lo=1, hi=1 << 31), _refuse_completion)
     resp = CompletionResponder(engine, model, ignored, usage_chunk=usage_chunk)
     return Plan(GenRequest(ids, budget, sampling, stop, api="openai", raw=True), stream, resp, None)
 

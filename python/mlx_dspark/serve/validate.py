@@ -30,6 +30,13 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def _fmt(v) -> str:
+    """A bound or value as written: integers in full (2147483648, not 2.14748e+09)."""
+    if isinstance(v, int) or (isinstance(v, float) and v.is_integer() and abs(v) < 1e18):
+        return str(int(v))
+    return repr(float(v))
+
+
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, "invalid_request", param=param, code=code)
 
@@ -131,16 +138,15 @@ class Fields:
         v = float(v)
         if not math.isfinite(v):
             raise invalid(f"`{self._name(key)}` must be a finite number", param=self._name(key))
-        if lo_open and lo is not None and v <= lo:
-            raise invalid(f"`{self._name(key)}` must be greater than {lo:g}, got {v:g}", param=self._name(key))
-        self._range(key, v, None if lo_open else lo, hi)
+        self._range(key, v, lo, hi, lo_open)
         return v
 
-    def _range(self, key, v, lo, hi):
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            lo_s = "-inf" if lo is None else f"{lo:g}"
-            hi_s = "inf" if hi is None else f"{hi:g}"
-            raise invalid(f"`{self._name(key)}` must be in [{lo_s}, {hi_s}], got {v:g}", param=self._name(key))
+    def _range(self, key, v, lo, hi, lo_open: bool = False):
+        if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+            lo_s = "-inf" if lo is None else _fmt(lo)
+            hi_s = "inf" if hi is None else _fmt(hi)
+            raise invalid(f"`{self._name(key)}` must be in {'(' if lo_open else '['}{lo_s}, {hi_s}], got {_fmt(v)}",
+                          param=self._name(key))
 
     def list(self, key: str, default=None, *, required: bool = False, nonempty: bool = False,
              max_len: int | None = None) -> list | None:
