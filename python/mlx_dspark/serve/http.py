@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from .. import __version__
 from ..errors import UserError
-from . import anthropic, openai
+from . import anthropic, openai, responses
 from .bodies import BodyReader, ClientGone
 from .engine import Engine, Plan
 from .metrics import Metrics
@@ -61,7 +61,7 @@ class Config:
 
 GET_ROUTES = {"/": "index", "/health": "health", "/metrics": "metrics", "/v1/models": "models"}
 POST_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/messages": "messages",
-               "/v1/messages/count_tokens": "count_tokens"}
+               "/v1/messages/count_tokens": "count_tokens", "/v1/responses": "responses"}
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 
 
@@ -264,10 +264,11 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return self._record(None, 204)
-        get_name = GET_ROUTES.get(path) or ("model" if path.startswith("/v1/models/") else None)
+        get_name = GET_ROUTES.get(path) or ("model" if path.startswith("/v1/models/") else None) or \
+            ("response" if path.startswith("/v1/responses/") else None)
         post_name = POST_ROUTES.get(path)
         if method in ("GET", "HEAD") and get_name:
-            self.route_name = get_name if get_name != "model" else "models"
+            self.route_name = {"model": "models", "response": "responses"}.get(get_name, get_name)
         elif method == "POST" and post_name:
             self.route_name = post_name
         elif get_name or post_name:
@@ -276,7 +277,7 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
         else:
             shown = unquote(urlsplit(self.path).path) or "/"
             raise ApiError(404, f"unknown route {method} {shown}: this server answers /v1/chat/completions, "
-                           "/v1/completions, /v1/models, /v1/messages, /v1/messages/count_tokens, /health, /metrics",
+                           "/v1/completions, /v1/responses, /v1/models, /v1/messages, /v1/messages/count_tokens, /health, /metrics",
                            "not_found")
         if method == "POST":
             self._check_content_type()
@@ -340,6 +341,8 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
         if name == "metrics":
             text = self.server.metrics.render(busy=engine.busy, queue_depth=engine.queue_depth)
             return self._send_text(200, text, "text/plain; version=0.0.4; charset=utf-8")
+        if path.startswith("/v1/responses/"):
+            return self._send_json(200, responses.get_response(engine, path[len("/v1/responses/"):]))
         if path.startswith("/v1/models/"):
             return self._send_json(200, openai.get_model(engine, path[len("/v1/models/"):], self.server.started))
         return self._send_json(200, openai.list_models(engine, self.server.started))
@@ -349,7 +352,7 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
         if name == "count_tokens":
             return self._send_json(200, anthropic.count_tokens(engine, body))
         planner = {"chat": openai.plan_chat, "completion": openai.plan_completion,
-                   "messages": anthropic.plan_messages}[name]
+                   "messages": anthropic.plan_messages, "responses": responses.plan_responses}[name]
         plan = planner(engine, body)
         job = engine.submit(plan.req)
         self.server.track(+1)
