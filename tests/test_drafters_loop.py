@@ -245,7 +245,7 @@ def test_hybrid_lookup_rounds_keep_the_context_in_step():
             assert len(p.propose(history, 7, None).tokens) == 7 and p.counters["drafter_rounds"] == 1
             assert p.state[0].offset == 10 and p.n_pending == 0
             p.last_lookup = True  # count this round as a lookup miss too, for the parking check
-    assert p.lookup_parked_until > len(history)
+    assert not p.policy.ready("lookup", len(history))  # parked (decode/policy.py's fixed rules)
     history = history + [12, 13, 11]  # repeats again, but lookup is parked
     p.observe(0, 0, mx.zeros((3, C)))
     assert len(p.propose(history, 7, None).tokens) == 7 and p.counters["drafter_rounds"] == 2

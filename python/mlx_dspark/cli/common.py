@@ -26,6 +26,13 @@ def int_at_least(low: int):
 positive_int = int_at_least(1)
 
 
+def max_draft_arg(text: str):
+    """--max-draft: "auto" or an integer >= 0."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return int_at_least(0)(text)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", help="target: local folder, .gguf file or HF repo id (default: the demo model)")
@@ -47,8 +54,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("decoding")
-    g.add_argument("--max-draft", type=int, default=None,
-                   help="draft tokens per round (0 = the drafter's full block; default: per mode)")
+    g.add_argument("--max-draft", type=max_draft_arg, default="auto", metavar="{auto,N}",
+                   help="draft tokens per round: auto (default) picks them each round from this machine's "
+                        "measured verify cost and the live acceptance, and runs plain steps where drafting "
+                        "would lose; N = at most N every round (0 = the drafter's full block)")
     g.add_argument("--confidence-threshold", type=float, default=0.0,
                    help="DSpark: truncate the block at the first slot whose confidence is below this")
     g.add_argument("--no-lookup-drafts", action="store_true",

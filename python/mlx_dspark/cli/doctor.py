@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 
@@ -16,7 +17,6 @@ def collect() -> dict:
     import mlx.core as mx
 
     from .. import __version__
-    from ..blas import find_openblas, loaded_blas
 
     info: dict = {"mlx_dspark": __version__, "python": sys.version.split()[0],
                   "platform": f"{platform.system()} {platform.machine()}", "mlx": mx.__version__}
@@ -43,10 +43,7 @@ def collect() -> dict:
     except ImportError:
         info["native"] = {"loaded": False, "reason": "this build has no native loader"}
     if dev == mx.cpu:
-        info["blas"] = {"openblas_loaded": loaded_blas(), "openblas_found": find_openblas(),
-                        "note": ("OpenBLAS in use" if loaded_blas() else
-                                 "reference BLAS (slow): install libopenblas0-pthread; the CLI preloads it"
-                                 if not find_openblas() else "OpenBLAS found; the CLI preloads it")}
+        info["blas"] = blas_report()
     try:
         from ..models.demo import demo_info
 
@@ -56,6 +53,39 @@ def collect() -> dict:
     except Exception as e:  # report, never crash the doctor
         info["demo_model"] = {"available": False, "reason": str(e)}
     return info
+
+
+def gemm_gflops(reps: int = 2) -> float:
+    """Measured float32 GEMM speed of MLX's CPU matmul (a decode-sized product)."""
+    import time
+
+    import mlx.core as mx
+
+    a, b = mx.random.normal((128, 576)), mx.random.normal((576, 1536))
+    mx.eval(a @ b)
+    t = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(a @ b)
+    return 2 * 128 * 576 * 1536 * reps / (time.perf_counter() - t) / 1e9
+
+
+def blas_report() -> dict:
+    """One answer: the BLAS MLX's float32 matmuls call in this process (doctor runs with the
+    same preload as generate/serve/benchmark), its measured speed, and what to do."""
+    from ..blas import INSTALL_HINT, active_blas, find_openblas
+
+    a = active_blas()
+    out = {"in_use": a["name"], "path": a["path"], "fast": a["fast"], "gemm_gflops": round(gemm_gflops(), 1)}
+    if a["fast"]:
+        out["note"] = f"{a['name']}: fast float32 CPU matmuls"
+    elif os.environ.get("MLX_DSPARK_OPENBLAS") == "0":
+        out["note"] = "reference BLAS (slow): MLX_DSPARK_OPENBLAS=0 turned the OpenBLAS preload off"
+    elif find_openblas():
+        out["note"] = (f"reference BLAS (slow) in this process; {find_openblas()} exists but is not preloaded "
+                       "(MLX_DSPARK_OPENBLAS=0 set, or not run through the mlx-dspark CLI)")
+    else:
+        out["note"] = f"reference BLAS (slow): speculation cannot pay on CPU; {INSTALL_HINT}"
+    return out
 
 
 def run(args) -> int:

@@ -32,7 +32,7 @@ def run(args) -> int:
 
     if not args.prompt.strip():
         raise UserError("the prompt is empty: pass some text with --prompt")
-    if args.max_draft is not None and args.max_draft < 0:
+    if isinstance(args.max_draft, int) and args.max_draft < 0:
         raise UserError(f"--max-draft must be >= 0, got {args.max_draft}")
     want_lp = args.logprobs is not None
     sampling = sampling_from_args(args, logprobs=want_lp, top_logprobs=args.logprobs or 0)

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-COMPUTE_COMMANDS = {"generate", "serve", "benchmark", "distill"}
+COMPUTE_COMMANDS = {"generate", "serve", "benchmark", "distill", "doctor"}  # doctor: report what they get
 
 
 def main(argv: list[str] | None = None) -> int:

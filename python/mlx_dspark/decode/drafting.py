@@ -10,11 +10,13 @@ target taps of every committed position before the anchor, and nothing rejected:
             always ends exactly at the anchor: offset + pending == anchor position, checked
             every round. Block K/V never enter the cache (crop to the accepted point).
 
-Hybrid lookup drafts: when the context suffix has occurred before (NgramIndex, at least
-LOOKUP_MIN_DEPTH tokens deep), that free continuation is proposed instead of running the
-drafter. The context rows keep accumulating and are fed to the next drafter pass. After
-LOOKUP_PARK_AFTER lookup rounds in a row whose first token was rejected, lookup drafts are
-parked for a while (doubling, up to LOOKUP_PARK_MAX tokens).
+Hybrid lookup drafts: when the context suffix has occurred before (NgramIndex), that free
+continuation may be proposed instead of running the drafter. The context rows keep accumulating
+and are fed to the next drafter pass. Whether a round goes to lookup, to the drafter or to a
+plain step, and how many drafts it verifies, is the draft policy's decision (decode/policy.py:
+the fixed rules, or the measured cost model with `--max-draft auto`); when the policy parks the
+drafter, `wants_round` is False and the loop takes pipelined plain steps, whose tapped rows
+still feed the drafter's context.
 
 Draft-token choice goes through `_choose` only: a lazy argmax at T = 0 without penalties (no
 sync inside the block); otherwise decode/sampled.py's DraftSampler (one per generation, its
@@ -33,11 +35,9 @@ import mlx.core as mx
 from ..errors import UserError, option
 from ..models.dspark import confident_prefix
 from .lookup import NgramIndex
+from .policy import HYBRID_MIN_DEPTH, DraftPolicy, FixedPolicy
 from .proposers import Draft, Proposer
 
-LOOKUP_MIN_DEPTH = 4  # match depth (tokens) that earns a free lookup draft
-LOOKUP_PARK_AFTER = 2
-LOOKUP_PARK_MIN, LOOKUP_PARK_MAX = 16, 512
 INGEST_CHUNK = 1024  # pending context rows projected ahead of the block pass, per chunk
 
 
@@ -55,7 +55,8 @@ def _lazy_argmax(sampling) -> bool:
 
 
 class DrafterProposer(Proposer):
-    def __init__(self, drafter, *, confidence_threshold: float = 0.0, lookup_drafts: bool = True):
+    def __init__(self, drafter, *, confidence_threshold: float = 0.0, lookup_drafts: bool = True,
+                 policy: DraftPolicy | None = None):
         if confidence_threshold < 0 or confidence_threshold >= 1:
             raise UserError(f"{option('confidence-threshold')} must be in [0, 1), got {confidence_threshold}")
         if confidence_threshold > 0 and getattr(drafter, "conf_head", None) is None:
@@ -67,6 +68,7 @@ class DrafterProposer(Proposer):
         self.block_drafts = drafter.block_drafts
         self.threshold = float(confidence_threshold)
         self.lookup_drafts = bool(lookup_drafts)
+        self._policy = policy
         self._reset()
 
     def _reset(self) -> None:
@@ -77,14 +79,17 @@ class DrafterProposer(Proposer):
         self.n_pending = 0
         self.index = NgramIndex()
         self.last_lookup = False
-        self.lookup_misses = 0
-        self.lookup_parked_until = 0
-        self.lookup_park = LOOKUP_PARK_MIN
+        self._depth = self._n_hist = 0
+        self.policy = self._policy or FixedPolicy(hybrid=True)
         self.counters = {"drafter_rounds": 0, "drafter_proposed": 0, "drafter_accepted": 0,
                          "lookup_rounds": 0, "lookup_proposed": 0, "lookup_accepted": 0,
                          "truncated_rounds": 0, "drafter_s": 0.0}
 
     # ------------------------------------------------------------------ protocol
+    def use_policy(self, policy: DraftPolicy) -> None:
+        """Decide draft lengths with `policy` (decode/policy.py) from now on."""
+        self._policy = self.policy = policy
+
     def begin(self, target, prompt_ids: Sequence[int], prompt_hidden: mx.array | None) -> None:
         self._reset()
         self.n_prompt = len(prompt_ids)
@@ -96,7 +101,14 @@ class DrafterProposer(Proposer):
             self.index.extend(prompt_ids)
 
     def wants_round(self, history: Sequence[int]) -> bool:
-        return True
+        n = len(history)
+        if self.policy.worth_trying("drafter", self.block_drafts, n):
+            return True
+        if not self.lookup_drafts or not self.policy.ready("lookup", n):
+            return False
+        self.index.sync(history)
+        start, depth = self.index.match(history)
+        return start >= 0 and self.policy.worth_trying("lookup", 2 * depth, n, depth)
 
     def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
         anchor_pos = len(history) - 1
@@ -105,10 +117,17 @@ class DrafterProposer(Proposer):
                                f"pending rows for an anchor at position {anchor_pos}")
         if max_draft <= 0:
             return Draft()
+        self._n_hist = len(history)
         draft = self._lookup_draft(history, max_draft)
         if draft is not None:
             return draft
         self.last_lookup = False
+        n = len(history)
+        if not self.policy.ready("drafter", n):
+            return Draft()
+        max_draft = self.policy.length("drafter", min(max_draft, self.block_drafts), n)
+        if max_draft <= 0:
+            return Draft()
         t0 = time.perf_counter()
         rows = self._take_rows()
         d = self.drafter
@@ -147,23 +166,18 @@ class DrafterProposer(Proposer):
         self._add_rows(hidden)
         if n_proposed == 0:
             return
+        n_hist = self._n_hist
         if self.last_lookup:
             self.counters["lookup_accepted"] += n_accepted
-            if n_accepted == 0:
-                self.lookup_misses += 1
-                if self.lookup_misses >= LOOKUP_PARK_AFTER:
-                    self.lookup_parked_until = len(self.index.tokens) + self.lookup_park
-                    self.lookup_park = min(2 * self.lookup_park, LOOKUP_PARK_MAX)
-                    self.lookup_misses = 0
-            else:
-                self.lookup_misses = 0
-                self.lookup_park = max(LOOKUP_PARK_MIN, self.lookup_park // 2)
+            self.policy.result("lookup", n_proposed, n_accepted, n_hist, self._depth)
         else:
             self.counters["drafter_accepted"] += n_accepted
+            self.policy.result("drafter", n_proposed, n_accepted, n_hist)
 
     def stats(self) -> dict:
         c = dict(self.counters)
         c["drafter_s"] = round(c["drafter_s"], 6)
+        c.update(self.policy.stats())
         return c
 
     # ------------------------------------------------------------------ internals
@@ -204,16 +218,23 @@ class DrafterProposer(Proposer):
         return rows
 
     def _lookup_draft(self, history: Sequence[int], max_draft: int) -> Draft | None:
-        if not self.lookup_drafts or len(history) < self.lookup_parked_until:
+        n_hist = len(history)
+        if not self.lookup_drafts or not self.policy.ready("lookup", n_hist):
             return None
         self.index.sync(history)
         start, depth = self.index.match(history)
-        if start < 0 or depth < LOOKUP_MIN_DEPTH:
+        if start < 0 or depth < HYBRID_MIN_DEPTH:
             return None
+        if not self.policy.prefer_lookup(max_draft, depth, self.block_drafts if self.policy.ready("drafter", n_hist) else 0):
+            return None
+        k = self.policy.length("lookup", max_draft, n_hist, depth)
+        if k <= 0:
+            return None
+        self._depth = depth
         seq = self.index.tokens
         n = len(seq)
         tokens: list[int] = []
-        for i in range(max_draft):  # an overlapping copy: a periodic suffix continues periodically
+        for i in range(k):  # an overlapping copy: a periodic suffix continues periodically
             j = start + i
             tokens.append(seq[j] if j < n else tokens[j - n])
         self.last_lookup = True

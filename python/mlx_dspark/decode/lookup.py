@@ -5,18 +5,10 @@ followed the match are proposed and verified like any draft.
 
   * Index: every n-gram (MIN_N..MAX_N) maps to the end positions where it occurred, updated
     incrementally as tokens are committed, so a lookup is a few dict probes.
-  * Match depth: how far back the match keeps agreeing with the suffix. A match at least
-    LONG_DEPTH deep earns a draft of up to ~2x its depth (capped by `long_draft`): verbatim
-    copies commit tens of tokens per forward.
-  * Acceptance gate: a draft whose first token is rejected costs a synced, wider forward for
-    nothing (on a GPU a synced round also loses the pipelining of plain steps). So
-      - short matches (depth < LONG_DEPTH: common phrases in prose) are tried only while they
-        pay: a running rate of short rounds that commit at least one draft; below
-        SHORT_MIN_RATE they are skipped, with one probe every SHORT_PROBE_EVERY tokens so the
-        rate can recover;
-      - after `PARK_AFTER` fruitless rounds in a row the proposer parks for a while (doubling up
-        to `PARK_MAX` tokens), so the loop takes pipelined plain steps;
-      - long drafts that keep failing are cut back to the short length until one succeeds again.
+  * Match depth: how far back the match keeps agreeing with the suffix (up to 4 * LONG_DEPTH).
+  * Whether a match is worth a round, and how long a draft it earns, is decided by the draft
+    policy (decode/policy.py): the fixed rules (short/long drafts, a success-rate gate for short
+    matches, parking after fruitless rounds) or, with `--max-draft auto`, the measured cost model.
 """
 
 from __future__ import annotations
@@ -24,15 +16,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
+from .policy import LONG_DEPTH, SHORT_DRAFT, DraftPolicy, FixedPolicy
 from .proposers import Draft, Proposer
 
 MIN_N, MAX_N = 2, 4
-SHORT_DRAFT = 8
-LONG_DEPTH = 8
-PARK_AFTER = 3
-PARK_MIN, PARK_MAX = 8, 256
-SHORT_MIN_RATE = 0.5
-SHORT_PROBE_EVERY = 32
 
 
 class NgramIndex:
@@ -75,55 +62,45 @@ class NgramIndex:
 class LookupProposer(Proposer):
     name = "lookup"
 
-    def __init__(self, long_draft: int = 32, short_draft: int = SHORT_DRAFT):
+    def __init__(self, long_draft: int = 32, short_draft: int = SHORT_DRAFT, policy: DraftPolicy | None = None):
         self.long_draft = long_draft
         self.short_draft = short_draft
+        self._policy = policy
+        self.policy = policy or FixedPolicy(short_draft=short_draft, long_draft=long_draft)
         self.index = NgramIndex()
-        self.parked_until = 0
-        self.park_len = PARK_MIN
-        self.misses = 0
-        self.long_ok = True
-        self._last_long = False
-        self._last_short = False
-        self.short_rate = 1.0
-        self.next_short_probe = 0
+        self._depth = 0
         self.hits = self.proposed = self.accepted = 0
+
+    def use_policy(self, policy: DraftPolicy) -> None:
+        """Decide draft lengths with `policy` (decode/policy.py) from now on."""
+        self._policy = self.policy = policy
 
     def begin(self, target, prompt_ids, prompt_hidden) -> None:
         self.index = NgramIndex()
         self.index.extend(prompt_ids)
-        self.parked_until = 0
-        self.park_len = PARK_MIN
-        self.misses = 0
-        self.short_rate = 1.0
-        self.next_short_probe = 0
+        if self._policy is None:  # the fixed rules start afresh for each generation
+            self.policy = FixedPolicy(short_draft=self.short_draft, long_draft=self.long_draft)
 
-    def _worth_trying(self, depth: int, n_hist: int) -> bool:
-        if depth >= LONG_DEPTH or self.short_rate >= SHORT_MIN_RATE:
-            return True
-        return n_hist >= self.next_short_probe
+    def _match(self, history: Sequence[int]) -> tuple[int, int]:
+        self.index.sync(history)
+        return self.index.match(history)
 
     def wants_round(self, history: Sequence[int]) -> bool:
-        if len(history) < self.parked_until:
+        if not self.policy.ready("lookup", len(history)):
             return False
-        self.index.sync(history)
-        start, depth = self.index.match(history)
-        return start >= 0 and self._worth_trying(depth, len(history))
+        start, depth = self._match(history)
+        return start >= 0 and self.policy.worth_trying("lookup", self.long_draft, len(history), depth)
 
     def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
-        if len(history) < self.parked_until:
+        n = len(history)
+        if not self.policy.ready("lookup", n):
             return Draft()
-        self.index.sync(history)
-        start, depth = self.index.match(history)
-        if start < 0 or not self._worth_trying(depth, len(history)):
+        start, depth = self._match(history)
+        offered = min(max_draft, self.long_draft if depth >= LONG_DEPTH else max(self.short_draft, max_draft))
+        if start < 0 or not self.policy.worth_trying("lookup", offered, n, depth):
             return Draft()
-        k = self.short_draft
-        self._last_long = False
-        self._last_short = depth < LONG_DEPTH
-        if depth >= LONG_DEPTH and self.long_ok:
-            k = max(k, min(self.long_draft, 2 * depth))
-            self._last_long = True
-        k = min(k, max_draft)
+        k = self.policy.length("lookup", offered, n, depth)
+        self._depth = depth
         # Copy with overlap (as LZ77 does): a match close to the end continues into the draft
         # itself, so a periodic run drafts its period over and over.
         seq = self.index.tokens
@@ -140,24 +117,8 @@ class LookupProposer(Proposer):
             return
         self.proposed += n_proposed
         self.accepted += n_accepted
-        if self._last_short:
-            self.short_rate = 0.75 * self.short_rate + 0.25 * (1.0 if n_accepted else 0.0)
-            if not n_accepted and self.short_rate < SHORT_MIN_RATE:
-                self.next_short_probe = len(self.index.tokens) + SHORT_PROBE_EVERY
-        if n_accepted == 0:
-            self.misses += 1
-            if self.misses >= PARK_AFTER:
-                self.parked_until = len(self.index.tokens) + self.park_len
-                self.park_len = min(2 * self.park_len, PARK_MAX)
-                self.misses = 0
-        else:
-            self.misses = 0
-            self.park_len = max(PARK_MIN, self.park_len // 2)
-        if self._last_long:
-            # Long drafts must earn their width: cut back after a mostly-rejected one.
-            self.long_ok = n_accepted * 2 >= n_proposed
-        elif n_accepted == n_proposed:
-            self.long_ok = True
+        self.policy.result("lookup", n_proposed, n_accepted, len(self.index.tokens), self._depth)
 
     def stats(self) -> dict:
-        return {"lookup_hits": self.hits, "lookup_proposed": self.proposed, "lookup_accepted": self.accepted}
+        return {"lookup_hits": self.hits, "lookup_proposed": self.proposed, "lookup_accepted": self.accepted,
+                **self.policy.stats()}

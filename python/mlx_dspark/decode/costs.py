@@ -1,0 +1,269 @@
+"""Measured cost curves: what a verify forward of width w, and one drafter pass, cost here.
+
+The round cost model (DESIGN.md, "Numbers to know") is tok/s ~ tau / (t_draft + t_verify(w)).
+Whether speculation pays is a property of backend x BLAS x model x precision, so it is measured,
+once, in a few seconds (`BUDGET_S`), and kept on disk:
+
+    $MLX_DSPARK_CACHE/calibration/<hash>.json   (default ~/.cache/mlx-dspark; tests point it elsewhere)
+
+The hash covers everything that changes the curve: the MLX and mlx-dspark versions, the device
+(GPU name or CPU model), the BLAS MLX is using (blas.py), the target (source, layers, width,
+vocabulary, weight dtype, quantization, KV bits) and the drafter (source, kind, bits, block,
+draft vocabulary). A change in any of them measures again.
+
+`MLX_DSPARK_CALIBRATION`: auto (default: read from disk, else measure and store) | refresh
+(measure again, store) | off (no measurement: callers fall back to the fixed rules).
+
+Measurement: a context of CONTEXT tokens is prefilled once; each width w of `WIDTHS` is then fed
+on top of it and trimmed away (the minimum over a few calls: the machine may be shared). Widths
+go in doubling order and stop early when the budget is spent or when the curve is already linear
+(t(w) >= LINEAR * w * t(1): a wider verify cannot pay), so a slow machine (reference BLAS) is
+measured as fast as a quick one; unmeasured widths are interpolated, and extrapolated from the
+last two measured points.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+VERSION = 1
+WIDTHS = (1, 2, 4, 8, 16, 32, 3, 6, 12, 24)  # doubling first, then the gaps
+CONTEXT = 16  # small: a prefill on reference BLAS runs at ~3 GFLOP/s
+BUDGET_S = 4.0
+LINEAR = 0.85
+
+
+@dataclass
+class Costs:
+    """t_verify(w) in seconds at the measured widths, and one drafter pass (None: no drafter)."""
+
+    widths: list[int]
+    t_verify: list[float]
+    t_draft: float | None = None
+    key: dict = field(default_factory=dict)
+    measured_s: float = 0.0
+    origin: str = "measured"  # "measured" | "disk" | "given"
+
+    def verify(self, w: int) -> float:
+        pts = sorted(zip(self.widths, self.t_verify))
+        if w <= pts[0][0]:
+            return pts[0][1]
+        for (w0, t0), (w1, t1) in zip(pts, pts[1:]):
+            if w <= w1:
+                return t0 + (t1 - t0) * (w - w0) / (w1 - w0)
+        if len(pts) == 1:
+            return pts[0][1] * w
+        (w0, t0), (w1, t1) = pts[-2], pts[-1]
+        return t1 + max(t1 - t0, 0.0) / (w1 - w0) * (w - w1)
+
+    @property
+    def plain(self) -> float:
+        return self.verify(1)
+
+    def summary(self) -> str:
+        ws = sorted(zip(self.widths, self.t_verify))
+        curve = ", ".join(f"w{w} {t / ws[0][1]:.2f}x" for w, t in ws[1:])
+        draft = f"; drafter pass {self.t_draft * 1000:.1f} ms" if self.t_draft is not None else ""
+        return f"verify w1 {ws[0][1] * 1000:.1f} ms, {curve}{draft} ({self.origin})"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def mode() -> str:
+    m = os.environ.get("MLX_DSPARK_CALIBRATION", "auto").strip().lower() or "auto"
+    if m not in ("auto", "refresh", "off"):
+        from ..errors import UserError
+
+        raise UserError(f"MLX_DSPARK_CALIBRATION={m!r}: expected auto, refresh or off")
+    return m
+
+
+def cache_dir() -> Path:
+    from ..models.gguf import cache_root
+
+    return cache_root() / "calibration"
+
+
+def device_name() -> str:
+    dev = mx.default_device()
+    if dev == mx.cpu:
+        from ..benchmark import cpu_name
+
+        return f"cpu: {cpu_name()}; {os.cpu_count()} cores"
+    try:
+        return f"gpu: {mx.device_info().get('device_name', 'gpu')}"
+    except Exception:
+        return "gpu"
+
+
+def _weights(model) -> tuple[str, list]:
+    from mlx.utils import tree_flatten
+
+    dtypes, quant = set(), set()
+    for name, m in model.named_modules():
+        bits = getattr(m, "bits", None)
+        if bits is not None and hasattr(m, "scales"):
+            quant.add((int(bits), int(getattr(m, "group_size", 0))))
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            dtypes.add(str(p.dtype))
+    return ",".join(sorted(dtypes)), sorted(quant)
+
+
+def key_for(target, drafter=None) -> dict:
+    from .. import __version__
+    from ..blas import active_blas
+
+    dtypes, quant = _weights(target.model)
+    key = {"v": VERSION, "mlx": mx.__version__, "mlx_dspark": __version__, "device": device_name(),
+           "blas": active_blas()["name"] if mx.default_device() == mx.cpu else None,
+           "target": {"source": str(target.source or target.name), "layers": len(target.layers),
+                      "hidden": target.hidden_size, "vocab": target.vocab_size, "dtypes": dtypes,
+                      "quant": quant, "kv_bits": getattr(target, "kv_bits", None)}}
+    if drafter is not None:
+        d = drafter.describe()
+        key["drafter"] = {k: d.get(k) for k in ("source", "kind", "bits", "block_size", "layers", "draft_vocab")}
+    return key
+
+
+def _path(key: dict) -> Path:
+    h = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return cache_dir() / f"{h}.json"
+
+
+def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = CONTEXT) -> Costs:
+    """Measure t_verify(w) (with the drafter's taps, when there is one) and one drafter pass.
+
+    A first sweep times each width of WIDTHS once (after one untimed call: the first call of a
+    process pays one-time set-up), stopping early where the curve is already linear; then sweeps
+    over the same widths (and the drafter pass) repeat while the budget lasts, and each keeps its
+    minimum. Interleaving the widths in every sweep makes a busy machine slow them all alike, so
+    their ratios, which decide the policy, stay sound."""
+    t_start = time.perf_counter()
+    taps = tuple(drafter.taps) if drafter is not None else ()
+    vocab = max(2, min(int(target.vocab_size), 32000))
+    ctx = [(17 + 7919 * i) % (vocab - 1) + 1 for i in range(context)]
+    draft_ids = [(29 + 104729 * i) % (vocab - 1) + 1 for i in range(max(WIDTHS))]
+    cache = target.make_cache()
+    out = target.forward(mx.array([ctx]), cache, taps=taps, last_only=True)
+    mx.eval([c.state for c in cache] + ([out.hidden] if out.hidden is not None else []))
+    prompt_hidden = out.hidden[0] if out.hidden is not None else None
+
+    def verify(w: int) -> float:
+        t = time.perf_counter()
+        o = target.forward(mx.array([draft_ids[:w]]), cache, taps=taps)
+        mx.eval([o.logits] + ([o.hidden] if o.hidden is not None else []))
+        dt = time.perf_counter() - t
+        target.trim(cache, w)
+        return dt
+
+    def spent() -> float:
+        return time.perf_counter() - t_start
+
+    verify(1)
+    best: dict[int, float] = {}
+    for w in WIDTHS:
+        if len(best) >= 2 and spent() > budget_s * 0.5:  # two widths at least: a slope
+            break
+        best[w] = verify(w)
+        t1 = best[1]
+        if w in (4, 8, 16, 32) and best[w] >= LINEAR * w * t1:
+            break  # linear already: wider verifies cannot pay; extrapolate the rest
+    draft = _DraftTimer(drafter, target, ctx, prompt_hidden) if drafter is not None and prompt_hidden is not None else None
+    if draft is not None:
+        draft.time()  # ingests the whole context: untimed
+    sweep = sum(best.values()) + (draft.best if draft else 0.0)
+    for _ in range(4):
+        if spent() + sweep > budget_s:
+            break
+        for w in list(best):
+            best[w] = min(best[w], verify(w))
+        if draft is not None:
+            draft.time()
+    if draft is not None and draft.best == float("inf"):
+        draft.time()
+    widths = sorted(best)
+    return Costs(widths, [best[w] for w in widths], draft.best if draft else None, key_for(target, drafter),
+                 round(spent(), 3))
+
+
+class _DraftTimer:
+    """Times one drafter round: ingest one context row and draft a full block."""
+
+    def __init__(self, drafter, target, ctx, prompt_hidden):
+        self.drafter = drafter
+        self.prop = drafter.proposer(lookup_drafts=False)
+        self.prop.begin(target, ctx, prompt_hidden)
+        self.history = list(ctx) + [1]  # the anchor: the first token after the prompt
+        self.row = prompt_hidden[-1:]
+        self.calls = 0
+        self.best = float("inf")
+
+    def time(self) -> None:
+        t = time.perf_counter()
+        d = self.prop.propose(self.history, self.drafter.block_drafts, None)
+        dt = time.perf_counter() - t
+        if self.calls:
+            self.best = min(self.best, dt)
+        self.calls += 1
+        self.prop.observe(len(d.tokens), 0, self.row)
+        self.history.append(d.tokens[0] if d.tokens else 1)
+
+
+def load_cached(key: dict) -> Costs | None:
+    p = _path(key)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != json.loads(json.dumps(key, default=str)):
+        return None
+    try:
+        c = Costs(**{k: data[k] for k in ("widths", "t_verify", "t_draft", "key", "measured_s")})
+    except (KeyError, TypeError):
+        return None
+    c.origin = "disk"
+    return c
+
+
+def store(c: Costs) -> Path | None:
+    p = _path(c.key)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(c.to_json(), f, default=str)
+        os.replace(tmp, p)
+        return p
+    except OSError:
+        return None  # a read-only cache is no reason to fail a generation
+
+
+_memo: dict[Path, Costs] = {}
+
+
+def costs_for(target, drafter=None) -> Costs | None:
+    """The cost curves for this target (and drafter) on this machine: memoized per process, read
+    from disk, else measured and stored. None when MLX_DSPARK_CALIBRATION=off."""
+    m = mode()
+    if m == "off":
+        return None
+    key = key_for(target, drafter)
+    memo = _path(key)
+    if m == "auto" and memo in _memo:
+        return _memo[memo]
+    c = load_cached(key) if m == "auto" else None
+    if c is None:
+        c = measure(target, drafter)
+        store(c)
+    _memo[memo] = c
+    return c

@@ -1,0 +1,328 @@
+"""Every draft-length decision of every proposer: how long a draft, and whether to draft at all.
+
+A proposer holds one `DraftPolicy` and asks it, per round and per draft source ("drafter": a
+DSpark/DFlash block; "lookup": a free n-gram continuation), whether a round may be spent and how
+many of the offered tokens to verify. Two policies exist:
+
+FixedPolicy (`max_draft` an integer, or the Python API's default None): the rules the proposers
+  always had, kept here so that no proposer carries its own.
+  * drafter: every round, the offered block (capped by max_draft).
+  * lookup (the lookup mode): short matches (depth < LONG_DEPTH) are tried only while they pay
+    (a running rate of short rounds that commit a draft; below SHORT_MIN_RATE one probe every
+    SHORT_PROBE_EVERY tokens); after PARK_AFTER fruitless rounds in a row it parks for a while
+    (doubling, PARK_MIN..PARK_MAX tokens); a long draft (depth >= LONG_DEPTH earns ~2x its depth)
+    that was mostly rejected cuts back to the short length until one succeeds.
+  * lookup inside a drafter (hybrid): a match at least HYBRID_MIN_DEPTH deep replaces the drafter
+    pass; after HYBRID_PARK_AFTER rejected first tokens in a row it parks (HYBRID_PARK_MIN..MAX).
+
+CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decode/costs.py)
+  tok/s = tau(k) / (t_draft + t_verify(k + 1)), tau(k) = 1 + sum_{j<=k} prod_{i<=j} p_i,
+  with p_i the live acceptance of draft slot i given slot i-1 was accepted (an exponential
+  average per slot and per source, from a prior). Each round takes the k that maximizes it,
+  compared with plain decoding's 1 / t_verify(1). Where no k beats plain by MARGIN, the source
+  parks: the loop takes pipelined plain steps, and a probe round every `park` tokens (doubling
+  from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN when one wins) keeps p_i live.
+
+`plain_reason(costs)` says when speculation cannot pay on this machine at all, even with every
+draft accepted at the best width: auto mode then runs plain decoding and says so once.
+The same decisions apply on any device: only the measured curve differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .costs import Costs
+
+# FixedPolicy: lookup mode
+SHORT_DRAFT = 8
+LONG_DEPTH = 8
+PARK_AFTER = 3
+PARK_MIN, PARK_MAX = 8, 256
+SHORT_MIN_RATE = 0.5
+SHORT_PROBE_EVERY = 32
+# FixedPolicy: lookup drafts inside a drafter
+HYBRID_MIN_DEPTH = 4
+HYBRID_PARK_AFTER = 2
+HYBRID_PARK_MIN, HYBRID_PARK_MAX = 16, 512
+# CostPolicy
+PRIOR = {"drafter": 0.6, "lookup": 0.5, "lookup-long": 0.8}
+ALPHA = 0.25
+MARGIN = 1.03  # a round must beat plain decoding by 3% in expectation
+PROBE_MIN, PROBE_MAX = 16, 256
+BEST_CASE_P = 0.9  # plain_reason: acceptance no real drafter beats, per slot
+
+
+class DraftPolicy:
+    """The interface the proposers use (all counts in tokens of history)."""
+
+    adaptive = False
+
+    def ready(self, source: str, n_hist: int) -> bool:
+        """May `source` be asked for a round now (not parked)?"""
+        return True
+
+    def worth_trying(self, source: str, offered: int, n_hist: int, depth: int = 0) -> bool:
+        """Would `length` take a round from this offer? (No side effects: `wants_round`.)"""
+        return offered > 0 and self.ready(source, n_hist)
+
+    def length(self, source: str, offered: int, n_hist: int, depth: int = 0) -> int:
+        """How many of the `offered` draft tokens to verify (0: take a plain step instead)."""
+        return offered
+
+    def result(self, source: str, proposed: int, accepted: int, n_hist: int, depth: int = 0) -> None:
+        """A verified round of `source` (a lookup match `depth` deep): `accepted` of `proposed`
+        drafts survived."""
+
+    def prefer_lookup(self, lookup_len: int, depth: int, drafter_len: int) -> bool:
+        """Hybrid proposers: spend this round on the free lookup draft rather than the drafter?"""
+        return depth >= HYBRID_MIN_DEPTH
+
+    def stats(self) -> dict:
+        return {}
+
+
+# ---------------------------------------------------------------------------- fixed rules
+class FixedPolicy(DraftPolicy):
+    """The rules of a fixed cap (see the module docstring)."""
+
+    def __init__(self, hybrid: bool = False, short_draft: int = SHORT_DRAFT, long_draft: int = 32):
+        self.hybrid = hybrid
+        self.short_draft, self.long_draft = short_draft, long_draft
+        self.parked_until = 0
+        self.park_len = HYBRID_PARK_MIN if hybrid else PARK_MIN
+        self.misses = 0
+        self.long_ok = True
+        self.short_rate = 1.0
+        self.next_short_probe = 0
+        self._last_long = self._last_short = False
+
+    def ready(self, source: str, n_hist: int) -> bool:
+        return source == "drafter" or n_hist >= self.parked_until
+
+    def worth_trying(self, source: str, offered: int, n_hist: int, depth: int = 0) -> bool:
+        if offered <= 0 or not self.ready(source, n_hist):
+            return False
+        if source == "drafter":
+            return True
+        if self.hybrid:
+            return depth >= HYBRID_MIN_DEPTH
+        if depth >= LONG_DEPTH or self.short_rate >= SHORT_MIN_RATE:
+            return True
+        return n_hist >= self.next_short_probe
+
+    def length(self, source: str, offered: int, n_hist: int, depth: int = 0) -> int:
+        if source == "drafter" or self.hybrid:
+            return offered
+        k = self.short_draft
+        self._last_long, self._last_short = False, depth < LONG_DEPTH
+        if depth >= LONG_DEPTH and self.long_ok:
+            k = max(k, min(self.long_draft, 2 * depth))
+            self._last_long = True
+        return min(k, offered)
+
+    def result(self, source: str, proposed: int, accepted: int, n_hist: int, depth: int = 0) -> None:
+        if source == "drafter" or proposed == 0:
+            return
+        if self.hybrid:
+            self._park(accepted, n_hist, HYBRID_PARK_AFTER, HYBRID_PARK_MIN, HYBRID_PARK_MAX)
+            return
+        if self._last_short:
+            self.short_rate = 0.75 * self.short_rate + 0.25 * (1.0 if accepted else 0.0)
+            if not accepted and self.short_rate < SHORT_MIN_RATE:
+                self.next_short_probe = n_hist + SHORT_PROBE_EVERY
+        self._park(accepted, n_hist, PARK_AFTER, PARK_MIN, PARK_MAX)
+        if self._last_long:
+            self.long_ok = accepted * 2 >= proposed  # long drafts must earn their width
+        elif accepted == proposed:
+            self.long_ok = True
+
+    def _park(self, accepted: int, n_hist: int, after: int, lo: int, hi: int) -> None:
+        if accepted == 0:
+            self.misses += 1
+            if self.misses >= after:
+                self.parked_until = n_hist + self.park_len
+                self.park_len = min(2 * self.park_len, hi)
+                self.misses = 0
+        else:
+            self.misses = 0
+            self.park_len = max(lo, self.park_len // 2)
+
+
+# ---------------------------------------------------------------------------- cost model
+@dataclass
+class _Slots:
+    """Per-slot conditional acceptance p_i of one draft source."""
+
+    prior: float
+    p: list[float] = field(default_factory=list)
+
+    def get(self, i: int) -> float:
+        return self.p[i] if i < len(self.p) else (self.p[-1] if self.p else self.prior)
+
+    def tau(self, k: int) -> float:
+        t, run = 1.0, 1.0
+        for i in range(k):
+            run *= self.get(i)
+            t += run
+        return t
+
+    def update(self, proposed: int, accepted: int) -> None:
+        while len(self.p) < proposed:
+            self.p.append(self.get(len(self.p)))
+        for i in range(min(accepted + 1, proposed)):
+            x = 1.0 if i < accepted else 0.0
+            self.p[i] += ALPHA * (x - self.p[i])
+
+
+@dataclass
+class _Park:
+    until: int = 0
+    every: int = PROBE_MIN
+    probing: bool = False
+
+
+class CostPolicy(DraftPolicy):
+    """Draft lengths from the measured cost curve and live acceptance (module docstring)."""
+
+    adaptive = True
+
+    def __init__(self, costs: Costs, cap: int):
+        self.costs = costs
+        self.cap = max(1, int(cap))
+        self.slots = {s: _Slots(p) for s, p in PRIOR.items()}
+        self.parks = {s: _Park() for s in PRIOR}
+        self.counts = {"parked_steps": 0, "probe_rounds": 0, "rounds": 0}
+        self.plain_rate = 1.0 / costs.plain
+
+    def _draft_cost(self, source: str) -> float:
+        return (self.costs.t_draft or 0.0) if source == "drafter" else 0.0
+
+    def rate(self, source: str, k: int, depth: int = 0) -> float:
+        s = self.slots[self._kind(source, depth)]
+        return s.tau(k) / (self._draft_cost(source) + self.costs.verify(k + 1))
+
+    @staticmethod
+    def _kind(source: str, depth: int) -> str:
+        return "lookup-long" if source == "lookup" and depth >= LONG_DEPTH else source
+
+    def best(self, source: str, offered: int, depth: int = 0) -> tuple[int, float]:
+        best_k, best_r = 0, 0.0
+        for k in range(1, min(offered, self.cap) + 1):
+            r = self.rate(source, k, depth)
+            if r > best_r:
+                best_k, best_r = k, r
+        return best_k, best_r
+
+    def ready(self, source: str, n_hist: int) -> bool:
+        return n_hist >= self.parks[source].until
+
+    def worth_trying(self, source: str, offered: int, n_hist: int, depth: int = 0) -> bool:
+        if offered <= 0 or not self.ready(source, n_hist):
+            return False
+        k, r = self.best(source, offered, depth)
+        park = self.parks[source]
+        return (k > 0 and r >= MARGIN * self.plain_rate) or (park.until > 0 and not park.probing)
+
+    def length(self, source: str, offered: int, n_hist: int, depth: int = 0) -> int:
+        park = self.parks[source]
+        k, r = self.best(source, offered, depth)
+        if k and r >= MARGIN * self.plain_rate:
+            park.probing = False
+            return k
+        if n_hist >= park.until and park.until > 0 and not park.probing:
+            # a probe round: the parked source is tried once to keep its acceptance live
+            park.probing = True
+            self.counts["probe_rounds"] += 1
+            return max(k, 1)
+        park.until = n_hist + park.every
+        park.probing = False
+        return 0
+
+    def result(self, source: str, proposed: int, accepted: int, n_hist: int, depth: int = 0) -> None:
+        if proposed == 0:
+            return
+        self.counts["rounds"] += 1
+        self.slots[self._kind(source, depth)].update(proposed, accepted)
+        park = self.parks[source]
+        if park.probing:
+            park.probing = False
+            k, r = self.best(source, max(proposed, 1), depth)
+            if k and r >= MARGIN * self.plain_rate:
+                park.every, park.until = PROBE_MIN, 0
+            else:
+                park.every = min(2 * park.every, PROBE_MAX)
+                park.until = n_hist + park.every
+
+    def prefer_lookup(self, lookup_len: int, depth: int, drafter_len: int) -> bool:
+        if depth < HYBRID_MIN_DEPTH:
+            return False
+        _, r_look = self.best("lookup", lookup_len, depth)
+        _, r_draft = self.best("drafter", drafter_len) if drafter_len else (0, 0.0)
+        return r_look >= r_draft
+
+    def stats(self) -> dict:
+        return {"policy": "cost", **self.counts,
+                "p_drafter": [round(x, 2) for x in self.slots["drafter"].p[:8]]}
+
+
+def plain_reason(costs: Costs, cap: int, drafter: bool) -> str | None:
+    """Why no round can beat plain decoding here even with very high acceptance (BEST_CASE_P per
+    slot) at the best width, or None when speculation can pay."""
+    s = _Slots(BEST_CASE_P)
+    t_d = (costs.t_draft or 0.0) if drafter else 0.0
+    best = max(s.tau(k) / (t_d + costs.verify(k + 1)) for k in range(1, max(1, cap) + 1))
+    gain = best * costs.plain
+    if gain >= 1.25:
+        return None
+    w2 = costs.verify(2) / costs.plain
+    return (f"speculation cannot pay on this machine (a verify of 2 tokens costs {w2:.2f}x one of 1"
+            + (f", a drafter pass {t_d / costs.plain:.2f}x" if drafter else "")
+            + f"; at best {gain:.2f}x plain decoding)")
+
+
+def make_policy(max_draft, costs: Costs | None, *, hybrid: bool, short_draft: int = SHORT_DRAFT,
+                long_draft: int = 32) -> DraftPolicy:
+    """"auto" with measured costs: CostPolicy; anything else (an int, None, or no costs): the
+    fixed rules."""
+    if max_draft == "auto" and costs is not None:
+        return CostPolicy(costs, cap=max(long_draft, 16))
+    return FixedPolicy(hybrid=hybrid, short_draft=short_draft, long_draft=long_draft)
+
+
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    import sys
+
+    if msg not in _said:
+        _said.add(msg)
+        print(f"mlx-dspark: {msg}", file=sys.stderr)
+
+
+def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
+    """`max_draft="auto"`: give `proposer` the cost policy for this machine, or, in mode auto where
+    speculation cannot pay here, replace it by plain decoding (said once). Returns (proposer, None):
+    the loop's cap then comes from the proposer as for the default."""
+    from . import costs as cost_curves
+    from .proposers import Proposer
+
+    if not hasattr(proposer, "use_policy"):
+        return proposer, None  # baseline, or a caller's own proposer
+    drafter = getattr(proposer, "drafter", None)
+    c = cost_curves.costs_for(target, drafter)
+    if c is None:
+        return proposer, None  # MLX_DSPARK_CALIBRATION=off: the fixed rules
+    cap = proposer.block_drafts if drafter is not None else lookup_long_draft
+    if mode == "auto":
+        why = plain_reason(c, max(cap, lookup_long_draft), drafter is not None)
+        if why and drafter is not None and getattr(proposer, "lookup_drafts", False):
+            # lookup drafts are free: they may still pay where the drafter cannot
+            if plain_reason(c, lookup_long_draft, False) is None:
+                why = None
+        if why:
+            _say_once(f"{why}: --mode auto runs plain decoding ({c.summary()})")
+            return Proposer(), None
+    proposer.use_policy(CostPolicy(c, cap=max(cap, lookup_long_draft)))
+    return proposer, None

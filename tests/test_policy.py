@@ -1,0 +1,150 @@
+"""The draft policy (decode/policy.py) and the measured cost curves (decode/costs.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafter_fixtures import perm_chain, target, workspace
+from mlx_dspark.api import generate
+from mlx_dspark.decode import costs as cost_curves
+from mlx_dspark.decode import policy as pol
+from mlx_dspark.decode.costs import Costs
+from mlx_dspark.decode.lookup import LookupProposer
+from mlx_dspark.models.drafters import load_drafter
+
+FLAT = Costs([1, 2, 4, 8, 16, 32], [0.010, 0.0105, 0.011, 0.012, 0.014, 0.018], t_draft=0.002, origin="given")
+LINEAR = Costs([1, 2, 4], [0.010, 0.020, 0.040], t_draft=0.006, origin="given")
+
+
+def test_costs_interpolate_and_extrapolate():
+    c = Costs([1, 2, 4], [1.0, 2.0, 3.0])
+    assert c.verify(1) == 1.0 and c.verify(3) == 2.5 and c.verify(4) == 3.0
+    assert c.verify(6) == pytest.approx(4.0)  # the last slope, (3 - 2) / (4 - 2) per width
+    assert Costs([1], [0.5]).verify(4) == 2.0  # one point: linear, the pessimistic guess
+
+
+def test_cost_policy_drafts_long_where_verify_is_flat_and_acceptance_high():
+    p = pol.CostPolicy(FLAT, cap=32)
+    for n in range(0, 400, 8):
+        p.result("drafter", 7, 7, n)  # every draft accepted
+    assert p.length("drafter", 7, 400) == 7
+    assert p.worth_trying("drafter", 7, 400)
+
+
+def test_cost_policy_parks_a_losing_source_then_probes_with_doubling_gaps():
+    p = pol.CostPolicy(LINEAR, cap=32)
+    assert p.length("drafter", 7, 100) == 0  # a linear curve never pays
+    assert not p.ready("drafter", 100 + pol.PROBE_MIN - 1)
+    assert p.ready("drafter", 100 + pol.PROBE_MIN)
+    n = 100 + pol.PROBE_MIN
+    assert p.worth_trying("drafter", 7, n)
+    k = p.length("drafter", 7, n)  # a probe round
+    assert k >= 1 and p.counts["probe_rounds"] == 1
+    p.result("drafter", k, 0, n + 1)  # the probe lost: the next gap doubles
+    assert not p.ready("drafter", n + 1 + 2 * pol.PROBE_MIN - 1)
+    assert p.ready("drafter", n + 1 + 2 * pol.PROBE_MIN)
+
+
+def test_cost_policy_learns_acceptance_per_slot():
+    p = pol.CostPolicy(FLAT, cap=32)
+    for n in range(50):
+        p.result("drafter", 7, 2, n)  # slots 1-2 always right, slot 3 always wrong
+    s = p.slots["drafter"]
+    assert s.get(0) > 0.95 and s.get(1) > 0.95 and s.get(2) < 0.05
+    assert p.length("drafter", 7, 60) == 2  # drafting past slot 2 buys nothing
+
+
+def test_plain_reason_says_why_only_where_speculation_cannot_pay():
+    why = pol.plain_reason(LINEAR, 16, drafter=True)
+    assert why and "cannot pay" in why and "2.00x" in why
+    assert pol.plain_reason(FLAT, 16, drafter=True) is None
+
+
+def test_fixed_policy_keeps_the_lookup_parking_rules():
+    p = pol.FixedPolicy()
+    for i in range(pol.PARK_AFTER):
+        assert p.ready("lookup", 10 + i)
+        p.length("lookup", 8, 10 + i, depth=3)
+        p.result("lookup", 8, 0, 10 + i)
+    last = 10 + pol.PARK_AFTER - 1
+    assert not p.ready("lookup", last + pol.PARK_MIN - 1) and p.ready("lookup", last + pol.PARK_MIN)
+    assert p.length("lookup", 32, 0, depth=12) == 24  # a deep match earns 2x its depth (cap 32)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLX_DSPARK_CALIBRATION", "auto")
+    cost_curves._memo.clear()
+    yield tmp_path / "cache" / "calibration"
+    cost_curves._memo.clear()
+
+
+def test_calibration_is_measured_once_stored_and_remeasured_when_the_key_changes(cache_dir, monkeypatch):
+    ws = workspace()
+    tgt, _ = target(ws["target_qwen3"])
+    c = cost_curves.costs_for(tgt)
+    assert c.origin == "measured" and c.measured_s <= cost_curves.BUDGET_S + 1
+    assert c.widths[:2] == [1, 2] and all(t > 0 for t in c.t_verify)
+    files = list(cache_dir.glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["mlx"]
+    cost_curves._memo.clear()
+    again = cost_curves.costs_for(tgt)
+    assert again.origin == "disk" and again.t_verify == c.t_verify
+    cost_curves._memo.clear()
+    monkeypatch.setattr("mlx_dspark.blas.active_blas", lambda: {"name": "other-blas", "path": None, "fast": True})
+    third = cost_curves.costs_for(tgt)  # another BLAS: measured again, stored beside the first
+    assert third.origin == "measured" and len(list(cache_dir.glob("*.json"))) == 2
+
+
+def test_calibration_off_keeps_the_fixed_rules(cache_dir, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_CALIBRATION", "off")
+    ws = workspace()
+    tgt, tok = target(ws["target_qwen3"])
+    assert cost_curves.costs_for(tgt) is None
+    res = generate(tgt, tok, None, prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6], mode="lookup", max_new_tokens=12,
+                   max_draft="auto")
+    assert "policy" not in res.stats and not cache_dir.exists()
+
+
+@pytest.mark.parametrize("costs", [FLAT, LINEAR], ids=["flat", "linear"])
+def test_auto_draft_is_lossless_in_tokens_and_text(costs, monkeypatch):
+    monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: costs)
+    ws = workspace()
+    tgt, tok = target(ws["target_perm"])
+    d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
+    prompt = [int(t) for t in perm_chain(3, 6)]
+    base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=40)
+    for mode in ("dspark", "lookup"):
+        res = generate(tgt, tok, None, prompt_ids=prompt, mode=mode, drafter=d if mode == "dspark" else None,
+                       max_new_tokens=40, max_draft="auto")
+        assert res.tokens == base.tokens and res.text == base.text, mode
+        assert res.stats.get("policy") == "cost"
+
+
+def test_auto_mode_runs_plain_where_speculation_cannot_pay_and_says_so_once(monkeypatch, capsys):
+    monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: LINEAR)
+    pol._said.clear()
+    ws = workspace()
+    tgt, tok = target(ws["target_perm"])
+    d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
+    prompt = [int(t) for t in perm_chain(5, 6)]
+    base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=20)
+    for _ in range(2):
+        res = generate(tgt, tok, None, prompt_ids=prompt, mode="auto", drafter=d, max_new_tokens=20,
+                       max_draft="auto")
+        assert res.mode == "baseline" and res.tokens == base.tokens and res.text == base.text
+    err = capsys.readouterr().err
+    assert err.count("speculation cannot pay") == 1 and "runs plain decoding" in err
+    # an explicit mode is obeyed (the policy parks it instead)
+    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=20, max_draft="auto")
+    assert res.mode == "dspark" and res.tokens == base.tokens
+
+
+def test_lookup_proposer_uses_the_policy_it_is_given():
+    p = LookupProposer(policy=pol.CostPolicy(LINEAR, cap=32))
+    hist = [1, 2, 3, 4, 1, 2, 3]
+    p.begin(None, hist, None)
+    assert p.propose(hist, 16, None).tokens == []  # a linear curve: no round, even on a match
