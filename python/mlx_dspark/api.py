@@ -30,6 +30,7 @@ class GenerationResult:
     logprobs: list[dict] | None = None
     stats: dict = field(default_factory=dict)
     stop_string: str | None = None  # the stop string that ended generation, if one did
+    cached_tokens: int = 0  # prompt tokens a prefix cache supplied (not prefilled again)
 
     @property
     def rounds(self) -> int:
@@ -59,7 +60,7 @@ class GenerationResult:
             "rounds": self.rounds, "finish_reason": self.finish_reason, "mode": self.mode, "model": self.model,
             "timings": {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
                         "decode_tps": round(self.decode_tps, 3), "e2e_tps": round(self.e2e_tps, 3)},
-            "stats": self.stats, "stop_string": self.stop_string, **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+            "stats": self.stats, "stop_string": self.stop_string, "cached_tokens": self.cached_tokens, **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
         }
 
 
@@ -159,9 +160,11 @@ class TextGeneration:
     stream_generate() and the server step. Iterating steps it; `result()` reads the outcome."""
 
     def __init__(self, generation: loop.Generation, stream: TextStream, target: Target, mode: str,
-                 cancel: Callable[[], bool] | None = None):
+                 cancel: Callable[[], bool] | None = None, prefix_cache=None, cached_tokens: int = 0):
         self.generation, self.stream, self.target, self.mode = generation, stream, target, mode
         self.cancel_check = cancel
+        self.prefix_cache, self.cached_tokens = prefix_cache, cached_tokens
+        self._stored = False
 
     def __iter__(self):
         g = self.generation
@@ -177,7 +180,13 @@ class TextGeneration:
         return self.result()
 
     def result(self) -> GenerationResult:
-        return _result(self.generation, self.target, self.stream, self.mode)
+        g = self.generation
+        if self.prefix_cache is not None and g.done and not self._stored and g.res.finish_reason != "cancelled":
+            self._stored = True  # a cancelled generation leaves nothing in the cache
+            self.prefix_cache.store(g.snapshot())
+        out = _result(g, self.target, self.stream, self.mode)
+        out.cached_tokens = self.cached_tokens
+        return out
 
 
 def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None, proposer=None,
@@ -186,12 +195,10 @@ def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None
           on_text: Callable[[str], None] | None = None, cancel: Callable[[], bool] | None = None,
           lookup_long_draft: int = 32, prompt_ids: Sequence[int] | None = None,
           keep_leading_space: bool = False, drafter_bits: int | None = None, draft_vocab="auto",
-          cache: list | None = None, reuse=None, keep_state: bool = False,
-          **drafter_options) -> TextGeneration:
+          prefix_cache=None, **drafter_options) -> TextGeneration:
     """A TextGeneration, not stepped yet. `on_text` receives text as it is committed; `cancel()`
-    is asked between steps (and between prefill chunks). `cache`, `reuse`, `keep_state`: a
-    prefix-cache hit to continue from, and whether to keep the state for the next one
-    (decode/loop.py's Generation)."""
+    is asked between steps (and between prefill chunks). `prefix_cache` (serve/prefix_cache.py)
+    supplies the longest cached prefix of the prompt and keeps this generation's cache after."""
     if max_new_tokens is None or int(max_new_tokens) < 1:
         raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     sampling = sampling or SamplingParams()
@@ -219,10 +226,12 @@ def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None
     if max_draft < 0:
         raise UserError(f"{option('max-draft')} must be >= 0, got {max_draft}")
     stream = TextStream(tokenizer, stop, on_text, keep_leading_space=keep_leading_space)
+    hit = prefix_cache.lookup(ids, tuple(proposer.taps)) if prefix_cache is not None else None
     g = loop.Generation(target, ids, proposer, max_new_tokens=int(max_new_tokens), max_draft=int(max_draft),
                         sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer),
-                        should_cancel=cancel, text=stream, cache=cache, reuse=reuse, keep_state=keep_state)
-    return TextGeneration(g, stream, target, resolved_mode, cancel)
+                        should_cancel=cancel, text=stream, cache=hit.cache if hit else None,
+                        reuse=(hit.reused, hit.hidden) if hit else None, keep_state=prefix_cache is not None)
+    return TextGeneration(g, stream, target, resolved_mode, cancel, prefix_cache, hit.reused if hit else 0)
 
 
 def _result(g: loop.Generation, target: Target, stream: TextStream, mode: str) -> GenerationResult:

@@ -107,11 +107,11 @@ class Commit:
 
 @dataclass
 class CacheState:
-    """A generation's target cache and what it holds, as the prefix cache keeps it: `tokens` are
-    exactly the positions in `layers` (mlx-lm cache states), `hidden` their tapped rows for
-    `taps` (None where none were kept)."""
+    """A finished generation's target cache and what it holds, handed to a prefix cache:
+    `tokens` are exactly the positions in `cache` (its mlx-lm layer caches, no longer used by the
+    generation), `hidden` their tapped rows for `taps` (None where none were kept)."""
     tokens: list[int]
-    layers: list  # [(cache class, state, meta_state)] per layer
+    cache: list
     taps: tuple[int, ...] = ()
     hidden: mx.array | None = None
 
@@ -193,16 +193,15 @@ class Generation:
 
     # ------------------------------------------------------------------ state
     def snapshot(self) -> CacheState | None:
-        """The target cache and the tokens it holds (needs keep_state); None before prefill."""
-        if not self.keep_state or not self.prefilled:
+        """The target cache and the tokens it holds, once done (needs keep_state); else None."""
+        if not self.keep_state or not self.prefilled or not self.done:
             return None
         hidden = None
         if self.kept_taps and self.fed_hidden:
             hidden = mx.concatenate(self.fed_hidden, axis=0)
             if hidden.shape[0] != len(self.fed):
                 hidden = None
-        layers = [(type(c), c.state, c.meta_state) for c in self.cache]
-        return CacheState(tokens=list(self.fed), layers=layers, taps=self.kept_taps if hidden is not None else (),
+        return CacheState(tokens=list(self.fed), cache=self.cache, taps=self.kept_taps if hidden is not None else (),
                           hidden=hidden)
 
     def _fed(self, tokens: list[int], hidden: mx.array | None) -> None:

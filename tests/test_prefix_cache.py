@@ -1,0 +1,143 @@
+"""The prefix cache: a warm run equals a cold run, token for token and in text, through slots,
+evictions, spills to disk and restarts; stale or corrupt entries are never trusted."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from drafter_fixtures import target, workspace
+from mlx_dspark.api import encode_prompt, generate
+from mlx_dspark.models.drafters import load_drafter
+from mlx_dspark.serve.prefix_cache import PrefixCache
+
+_D: dict = {}
+
+
+def _pair():
+    ws = workspace()
+    t, tok = target(ws["target_qwen3"])
+    if "d" not in _D:
+        _D["d"] = load_drafter(str(ws["dspark_qwen3"]), t, bits=16)
+    return t, tok, _D["d"]
+
+
+def _run(t, tok, d, ids, mode, n, pc=None):
+    return generate(t, tok, None, prompt_ids=ids, mode=mode, drafter=d if mode == "dspark" else None,
+                    max_new_tokens=n, prefix_cache=pc)
+
+
+turn = st.tuples(st.integers(0, 2),  # which conversation
+                 st.lists(st.integers(3, 300), min_size=1, max_size=24),  # the new user tokens
+                 st.sampled_from(["baseline", "lookup", "dspark"]), st.integers(1, 12),
+                 st.booleans())  # restart the cache (a new process: RAM gone, disk kept) first
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(turns=st.lists(turn, min_size=3, max_size=9), slots=st.integers(1, 3), spill=st.booleans(),
+       tiny_ram=st.booleans())
+def test_warm_equals_cold(turns, slots, spill, tiny_ram):
+    t, tok, d = _pair()
+    spill_dir = tempfile.mkdtemp(prefix="prefix-spill-") if spill else None
+
+    def fresh():
+        return PrefixCache(t, slots=slots, max_ram_mb=0.01 if tiny_ram else None, spill_dir=spill_dir)
+
+    pc = fresh()
+    assert pc.enabled, pc.off_reason
+    start = encode_prompt(tok, "the fox and the weather")
+    convs = [list(start) for _ in range(3)]
+    previous = None
+    for which, user, mode, n, restart in turns:
+        if restart:
+            pc = fresh()
+        ids = convs[which] + user
+        warm = _run(t, tok, d, ids, mode, n, pc)
+        cold = _run(t, tok, d, ids, mode, n)
+        assert warm.tokens == cold.tokens and warm.text == cold.text, (mode, len(ids), warm.cached_tokens)
+        assert warm.cached_tokens < len(ids)
+        # The newest entry is this conversation's: a hit, unless this mode taps hidden states
+        # (dspark) that the entry, written by a mode without taps, does not hold.
+        if previous is not None and previous[0] == which and not restart and (mode != "dspark" or previous[1] == mode):
+            assert warm.cached_tokens >= len(convs[which]) - 1, (warm.cached_tokens, len(convs[which]))
+        previous = (which, mode)
+        convs[which] = ids + warm.tokens
+
+
+def test_a_follow_up_turn_reuses_the_conversation():
+    t, tok, d = _pair()
+    pc = PrefixCache(t, slots=2)
+    ids = encode_prompt(tok, "the fox and the weather repeat hello world")
+    first = _run(t, tok, d, ids, "dspark", 10, pc)
+    assert first.cached_tokens == 0 and pc.stats["misses"] == 1
+    follow = ids + first.tokens + [40, 41, 42]
+    second = _run(t, tok, d, follow, "dspark", 10, pc)
+    assert second.cached_tokens >= len(ids) and pc.stats["hits"] == 1
+    assert second.tokens == _run(t, tok, d, follow, "dspark", 10).tokens
+
+
+def test_a_cancelled_generation_leaves_nothing():
+    t, tok, _ = _pair()
+    pc = PrefixCache(t, slots=2)
+    ids = encode_prompt(tok, "hello world")
+    generate(t, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=20, prefix_cache=pc, cancel=lambda: True)
+    assert pc.describe()["in_ram"] == 0
+
+
+def test_stale_and_corrupt_entries_on_disk_are_ignored(tmp_path, caplog):
+    t, tok, _ = _pair()
+    spill = tmp_path / "spill"
+    pc = PrefixCache(t, slots=1, spill_dir=str(spill))
+    a = encode_prompt(tok, "the fox")
+    b = encode_prompt(tok, "print x = x + 1")
+    _run(t, tok, None, a, "baseline", 6, pc)
+    _run(t, tok, None, b, "baseline", 6, pc)  # pushes the first entry out of RAM, onto disk
+    files = sorted((spill / pc.key).glob("*.safetensors"))
+    assert len(files) == 1
+    # A restart reads it back: a hit, and the same tokens as cold.
+    pc2 = PrefixCache(t, slots=1, spill_dir=str(spill))
+    warm = _run(t, tok, None, a + [50, 51], "baseline", 6, pc2)
+    assert warm.cached_tokens > 0 and warm.tokens == _run(t, tok, None, a + [50, 51], "baseline", 6).tokens
+    # Corrupt the file on disk: the next start ignores it with a warning, and runs cold.
+    pc2.ram.clear()
+    for f in (spill / pc.key).glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
+    pc3 = PrefixCache(t, slots=1, spill_dir=str(spill))
+    assert pc3.stats["ignored"] >= 1 and not pc3.disk
+    cold = _run(t, tok, None, a + [50, 51], "baseline", 6, pc3)
+    assert cold.cached_tokens == 0
+    # An entry written for another model (its key differs) is never read.
+    other = spill / pc.key / "x.safetensors"
+    import mlx.core as mx
+
+    mx.save_safetensors(str(other), {"k.0": mx.zeros((1,))}, metadata={"format": "mlx-dspark-prefix-1",
+                                                                       "model_key": "someone-else",
+                                                                       "tokens": json.dumps(a)})
+    pc4 = PrefixCache(t, slots=1, spill_dir=str(spill))
+    assert "x" not in pc4.disk and not other.exists()
+
+
+def test_invalidate_drops_the_entry_a_failed_request_used():
+    t, tok, _ = _pair()
+    pc = PrefixCache(t, slots=2)
+    ids = encode_prompt(tok, "the weather")
+    r = _run(t, tok, None, ids, "baseline", 4, pc)
+    assert pc.lookup(ids + r.tokens + [7]) is not None
+    pc.invalidate()
+    assert pc.lookup(ids + r.tokens + [7]) is None
+
+
+def test_targets_without_plain_kv_caches_say_why(model_dir):
+    from mlx_dspark.models.loading import load_target
+
+    t, _ = load_target(str(model_dir("qwen3", heads=2, kv_heads=1)), kv_bits=4)
+    pc = PrefixCache(t)
+    assert not pc.enabled and "plain KV caches" in pc.off_reason
+    assert pc.lookup([1, 2, 3]) is None
