@@ -114,14 +114,19 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
 def write_model(path: Path, family: str = "qwen3", *, layers: int = 4, hidden: int = 64, heads: int = 4,
                 kv_heads: int = 2, intermediate: int = 128, tie: bool = True, seed: int = 0,
                 vocab_size: int = 384, scale: float = 1.0, model_vocab: int = 0) -> Path:
-    """A random model of `family` (qwen3 | llama) in the HF layout, tokenizer included.
+    """A random model of `family` (qwen3 | llama; the hybrid and sliding-window families of
+    family_fixtures.py by name) in the HF layout, tokenizer included.
 
     `model_vocab` pads the embedding/head past the tokenizer's vocabulary (to mimic a real
     model's 49152 or 151936 rows in benchmarks)."""
     from safetensors.numpy import save_file
 
     if family not in ("qwen3", "llama"):
-        raise ValueError(family)
+        from family_fixtures import FAMILIES, write_family  # qwen3_5, qwen3_5_moe, qwen3_next, gemma3_text
+
+        if family not in FAMILIES:
+            raise ValueError(family)
+        return write_family(path, family, layers=layers, hidden=hidden, seed=seed, vocab_size=vocab_size)
     path = Path(path)
     if path.exists():
         shutil.rmtree(path)

@@ -207,3 +207,26 @@ def test_partial_accepts_at_every_point_stay_exact(name):
     loop.run(tgt, ids, None, max_new_tokens=60, cache=plain, stop_token_ids=stops)
     assert tgt.cache_len(cache) == tgt.cache_len(plain) >= len(ids) + len(base.tokens) - 1
     assert_same_states(cache, plain)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma3_text"])
+def test_cli_generate_on_a_family_folder(name, tmp_path):
+    """`mlx-dspark generate --model DIR` on a folder written by fixtures.write_model: lookup and
+    baseline give the same ids and text, and the run does not fall back to plain decoding."""
+    import json
+    import subprocess
+    import sys
+
+    from fixtures import write_model
+
+    path = str(write_model(tmp_path / name, name, seed=5))
+    out = {}
+    for mode in ("baseline", "lookup"):
+        r = subprocess.run([sys.executable, "-m", "mlx_dspark", "generate", "--model", path, "--prompt",
+                            "the fox def add the fox def add the fox", "--max-new-tokens", "40", "--json",
+                            "--mode", mode], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "cannot be rolled back" not in r.stderr
+        out[mode] = json.loads(r.stdout)
+    assert out["lookup"]["tokens"] == out["baseline"]["tokens"]
+    assert out["lookup"]["text"] == out["baseline"]["text"]

@@ -131,9 +131,17 @@ class Target:
                 from mlx_lm.models.cache import make_prompt_cache
 
                 why = hybrid.prove_replay(self.model, lambda: convert(make_prompt_cache(self.model)), self.vocab_size)
-            self.rollback_kind = ("+".join(kinds) or "trim") if why is None else f"none ({why})"
+            self._rollback_kind = ("+".join(kinds) or "trim") if why is None else f"none ({why})"
             self._rollback_checked = why is None
         return convert(cache) if self._rollback_checked else cache
+
+    @property
+    def rollback_kind(self) -> str:
+        """How verify rounds roll back on this target: trim (dense KV), replay (recurrent layers),
+        rewind (sliding windows), joined by '+'; or 'none (why)'."""
+        if getattr(self, "_rollback_checked", None) is None:
+            self.make_cache()
+        return self._rollback_kind
 
     @staticmethod
     def cache_len(cache: list) -> int:
