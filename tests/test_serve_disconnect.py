@@ -143,3 +143,31 @@ def test_stream_keepalive_pings_while_waiting(tmp_path_factory):
         assert data.count(b"event: ping") >= 2  # the first one, then keep-alives during slow rounds
     finally:
         s.close()
+
+
+def test_long_prefill_reports_progress_and_is_cancelled_between_chunks(srv, monkeypatch, caplog):
+    import urllib.request
+
+    from mlx_dspark.serve import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "PROGRESS_AFTER_S", 0.0)
+    srv.script.say("never said", delay=1.0)  # each forward (each 2,048-token prefill chunk) takes 1 s
+    prompt = list(range(10, 200)) * 19  # 3,610 token ids: two prefill chunks, then the last token
+    before = srv.script.forwards
+    s = send(srv.port, "/v1/completions", {"model": srv.model, "prompt": prompt, "max_tokens": 5})
+    job = running_job(srv)
+
+    def metric(name):
+        text = urllib.request.urlopen(srv.url + "/metrics", timeout=5).read().decode()
+        return int(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+    with caplog.at_level("INFO", logger="mlx_dspark.serve"):
+        assert wait_for(lambda: metric("mlx_dspark_prefill_tokens_done") == 2048, timeout=90)
+        assert metric("mlx_dspark_prefill_tokens_total") == len(prompt) and job.prefilled == 2048
+        s.close()  # the client leaves during the second chunk
+        assert wait_for(lambda: job.state == "done", timeout=90)
+    assert job.outcome.result.finish_reason == "cancelled" and job.outcome.result.tokens == []
+    assert srv.script.forwards - before == 2  # the chunk under way finished; the last token never ran
+    assert any(f"prefill 2048/{len(prompt)} tokens" in r.getMessage() for r in caplog.records)
+    assert metric("mlx_dspark_prefill_tokens_total") == 0
+    assert_served_next(srv)

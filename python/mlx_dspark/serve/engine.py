@@ -17,11 +17,13 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from ..decode.loop import PREFILL_CHUNK
 from ..decode.sampling import SamplingParams
 from ..errors import UserError
 from .validate import ApiError
 
 log = logging.getLogger("mlx_dspark.serve")
+PROGRESS_AFTER_S = 3.0  # a prefill that has run this long logs its progress at every chunk
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Job:
         self.t_start: float | None = None
         self.t_first: float | None = None
         self.t_done: float | None = None
+        self.prefilled = 0  # prompt tokens prefilled so far (reported between chunks)
         self.state = "queued"  # queued -> running -> done
         self.outcome: Outcome | None = None
 
@@ -108,7 +111,7 @@ class Engine:
                  drafter_options: dict | None = None, lookup_long_draft: int = 32, max_queue: int = 16,
                  model_id: str | None = None, aliases=(), context_window: int | None = None,
                  default_thinking: bool | None = None, default_sampling: SamplingParams | None = None,
-                 default_max_tokens: int = 4096, metrics=None, generate_fn=None):
+                 default_max_tokens: int = 4096, metrics=None, generate_fn=None, prefix_cache=None):
         from ..api import generate
 
         self.target = target
@@ -131,6 +134,7 @@ class Engine:
         self.default_max_tokens = default_max_tokens
         self.metrics = metrics
         self._generate = generate_fn or generate
+        self.prefix_cache = prefix_cache  # serve/prefix_cache.py, or None
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.max_queue = max_queue
         self._thread: threading.Thread | None = None
@@ -230,6 +234,7 @@ class Engine:
     def describe(self) -> dict:
         return {"mode": self.resolved_mode, "max_draft": self.max_draft,
                 "context_window": self.context_window,
+                "prefix_cache": self.prefix_cache.describe() if self.prefix_cache is not None else None,
                 "drafter": getattr(self.drafter, "source", None) if self.drafter is not None else None}
 
     # ------------------------------------------------------------------ the engine thread
@@ -255,12 +260,16 @@ class Engine:
                 if self._stop.is_set() and job.outcome.result.finish_reason == "cancelled":
                     final = ("error", ShuttingDown())
             except Exception as e:  # a server fault must not kill the engine thread
+                if self.prefix_cache is not None:
+                    self.prefix_cache.invalidate()  # trust nothing the failed request touched
                 if not isinstance(e, (UserError, ApiError)):
                     log.error("generation failed:\n%s", traceback.format_exc())
                 final = ("error", e)
             job.state = "done"
             job.t_done = time.perf_counter()
             self.current = None
+            if self.metrics:
+                self.metrics.gauge_prefill(0, 0)
             self._finish(job)
             job.events.put(final)
 
@@ -268,6 +277,16 @@ class Engine:
         self.finished.append(job)
         if self.metrics:
             self.metrics.record_job(job)
+
+    def _prefill_progress(self, job: Job, done: int, total: int) -> None:
+        """A long prefill says how far it is: /metrics gauges always, the log after PROGRESS_AFTER_S."""
+        job.prefilled = done
+        if self.metrics:
+            self.metrics.gauge_prefill(done, total)
+        took = time.perf_counter() - (job.t_start or time.perf_counter())
+        if took >= PROGRESS_AFTER_S and done < total:
+            log.info("prefill %d/%d tokens (%d%%), %.0f tok/s, %.0f s", done, total, 100 * done // total,
+                     done / took if took else 0.0, took)
 
     def _run(self, job: Job) -> Outcome:
         req = job.req
@@ -277,14 +296,24 @@ class Engine:
                 job.t_first = time.perf_counter()
             job.events.put(("text", chunk))
 
+        n = len(req.prompt_ids)
+        chunks = (n - 2) // PREFILL_CHUNK + 1 if n > 1 else 0  # the loop asks cancel() after each chunk
+        calls = [0]
+
         def cancel() -> bool:
             job.commits += 1
+            calls[0] += 1
+            if calls[0] <= chunks and job.t_first is None:
+                self._prefill_progress(job, min(calls[0] * PREFILL_CHUNK, n - 1), n)
             return job.cancelled.is_set()
 
+        if self.metrics:
+            self.metrics.gauge_prefill(0, n)
         res = self._generate(self.target, self.tokenizer, None, prompt_ids=req.prompt_ids, mode=self.mode,
                              drafter=self.drafter, max_new_tokens=req.max_tokens, max_draft=self.max_draft,
                              sampling=req.sampling, stop=req.stop, on_text=on_text, cancel=cancel,
                              lookup_long_draft=self.lookup_long_draft, keep_leading_space=req.raw,
+                             **({"prefix_cache": self.prefix_cache} if self.prefix_cache is not None else {}),
                              **self.drafter_options)
         if res.mode:
             self.resolved_mode = res.mode

@@ -53,6 +53,7 @@ class Metrics:
         self.decode_s = 0.0
         self.last_tps = 0.0
         self.queue_depth = 0
+        self.prefill_done = self.prefill_total = 0  # the running prefill, 0/0 when none
         self.accept = Histogram(ACCEPT_BUCKETS)
         self.ttft = Histogram(TTFT_BUCKETS)
 
@@ -62,6 +63,9 @@ class Metrics:
 
     def gauge_queue(self, depth: int) -> None:
         self.queue_depth = depth
+
+    def gauge_prefill(self, done: int, total: int) -> None:
+        self.prefill_done, self.prefill_total = done, total
 
     def record_job(self, job) -> None:
         api = job.req.api
@@ -86,7 +90,7 @@ class Metrics:
             if job.ttft_s is not None:
                 self.ttft.observe(job.ttft_s)
 
-    def render(self, *, busy: bool, queue_depth: int) -> str:
+    def render(self, *, busy: bool, queue_depth: int, prefix_cache: dict | None = None) -> str:
         L: list[str] = []
 
         def head(name, kind, text):
@@ -120,6 +124,19 @@ class Metrics:
             L.append(f"mlx_dspark_decode_tokens_per_second {self.last_tps:g}")
         head("mlx_dspark_queue_depth", "gauge", "Requests waiting for the engine.")
         L.append(f"mlx_dspark_queue_depth {queue_depth}")
+        head("mlx_dspark_prefill_tokens_done", "gauge", "Prompt tokens prefilled so far in the running prefill.")
+        L.append(f"mlx_dspark_prefill_tokens_done {self.prefill_done}")
+        head("mlx_dspark_prefill_tokens_total", "gauge", "Prompt tokens of the running prefill (0 when none).")
+        L.append(f"mlx_dspark_prefill_tokens_total {self.prefill_total}")
         head("mlx_dspark_busy", "gauge", "1 while the engine is generating.")
         L.append(f"mlx_dspark_busy {int(busy)}")
+        if prefix_cache is not None:
+            for key, text in (("hits", "Prompts that reused a cached prefix."),
+                              ("misses", "Prompts that found no cached prefix."),
+                              ("reused_tokens", "Prompt tokens taken from the prefix cache instead of prefilled.")):
+                head(f"mlx_dspark_prefix_cache_{key}_total", "counter", text)
+                L.append(f"mlx_dspark_prefix_cache_{key}_total {prefix_cache.get(key, 0)}")
+            head("mlx_dspark_prefix_cache_entries", "gauge", "Conversations kept, by tier.")
+            L.append(f'mlx_dspark_prefix_cache_entries{{tier="ram"}} {prefix_cache.get("in_ram", 0)}')
+            L.append(f'mlx_dspark_prefix_cache_entries{{tier="disk"}} {prefix_cache.get("on_disk", 0)}')
         return "\n".join(L) + "\n"
