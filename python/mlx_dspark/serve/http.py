@@ -277,7 +277,8 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
         else:
             shown = unquote(urlsplit(self.path).path) or "/"
             raise ApiError(404, f"unknown route {method} {shown}: this server answers /v1/chat/completions, "
-                           "/v1/completions, /v1/responses, /v1/models, /v1/messages, /v1/messages/count_tokens, /health, /metrics",
+                           "/v1/completions, /v1/responses, /v1/models, /v1/messages, /v1/messages/count_tokens, "
+                           "/health, /metrics",
                            "not_found")
         if method == "POST":
             self._check_content_type()
@@ -339,7 +340,8 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
         if name == "health":
             return self._send_json(200, self.server.health())
         if name == "metrics":
-            text = self.server.metrics.render(busy=engine.busy, queue_depth=engine.queue_depth)
+            pc = engine.prefix_cache.describe() if engine.prefix_cache is not None else None
+            text = self.server.metrics.render(busy=engine.busy, queue_depth=engine.queue_depth, prefix_cache=pc)
             return self._send_text(200, text, "text/plain; version=0.0.4; charset=utf-8")
         if path.startswith("/v1/responses/"):
             return self._send_json(200, responses.get_response(engine, path[len("/v1/responses/"):]))
