@@ -248,3 +248,18 @@ def test_huge_over_context_body_is_refused_fast_and_does_not_starve_others(qwen)
     t.join(300)
     assert small.input_tokens > 0 and done["big"][0]["input_tokens"] > 500_000
     assert t_small < done["big"][1], "the small request waited for the huge one"
+
+
+def test_max_tokens_cutting_a_character_leaves_no_replacement_char(qwen):
+    text = "Unicode: café, naïve, 日本語 🙂"
+    ids = qwen.tokenizer.encode(text, add_special_tokens=False)
+    cuts = [n for n in range(1, len(ids)) if qwen.tokenizer.decode(ids[:n]).endswith("\ufffd")]
+    assert cuts, "the fixture tokenizer splits some character across tokens"
+    n = cuts[0]
+    want = qwen.tokenizer.decode(ids[:n]).rstrip("\ufffd")
+    qwen.script.say(text)
+    r = ant(qwen).messages.create(model=qwen.model, max_tokens=n, messages=[{"role": "user", "content": "u"}])
+    assert r.stop_reason == "max_tokens" and r.content[0].text == want
+    chunks = list(oai(qwen).chat.completions.create(model=qwen.model, max_tokens=n, stream=True, messages=[
+        {"role": "user", "content": "u"}]))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want

@@ -291,10 +291,16 @@ class Engine:
     def _run(self, job: Job) -> Outcome:
         req = job.req
 
+        held = [""]  # a trailing U+FFFD: a character that the next token may complete
+
         def on_text(chunk: str) -> None:
             if job.t_first is None:
                 job.t_first = time.perf_counter()
-            job.events.put(("text", chunk))
+            chunk = held[0] + chunk
+            cut = len(chunk.rstrip("\ufffd"))
+            chunk, held[0] = chunk[:cut], chunk[cut:]
+            if chunk:
+                job.events.put(("text", chunk))
 
         n = len(req.prompt_ids)
         chunks = (n - 2) // PREFILL_CHUNK + 1 if n > 1 else 0  # the loop asks cancel() after each chunk
@@ -315,6 +321,11 @@ class Engine:
                              lookup_long_draft=self.lookup_long_draft, keep_leading_space=req.raw,
                              **({"prefix_cache": self.prefix_cache} if self.prefix_cache is not None else {}),
                              **self.drafter_options)
+        if res.finish_reason == "length" and res.text.endswith("\ufffd"):
+            # max_tokens cut a multi-byte character: its bytes are not text (never a trailing U+FFFD)
+            res.text = res.text.rstrip("\ufffd")
+        elif held[0]:
+            job.events.put(("text", held[0]))
         if res.mode:
             self.resolved_mode = res.mode
         # generate() cuts tokens at the one that completed a stop string, as one-token-at-a-time
