@@ -1,0 +1,153 @@
+"""Identity of every mode with baseline, per precision: greedy, on the eval prompts.
+
+  python bench/bench_invariance.py [--model M] --precision bf16|8|4 [--prompts DIR] [--n 30]
+         [--tokens 192] [--modes baseline,lookup,dspark,dspark-nolookup,dflash] [--out FILE.md]
+
+Prompts: the first turn of the first n/5 rows of each eval file (humaneval, math500, mbpp,
+mt-bench, swe-bench), chat template applied. Every mode is compared with `--mode baseline` of
+the same loaded target, token ids AND text. dspark uses the target's registered drafter; dflash a
+random fixture drafter written for this target (tests/drafter_fixtures.py: it drafts badly, so
+verify rounds of every width happen). Prints "N of N identical" per mode, with the first
+divergence where there is one. MLX_DSPARK_INVARIANT=off shows the native forward's result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ("humaneval", "math500", "mbpp", "mt-bench", "swe-bench")
+
+
+def eval_prompts(folder: Path, n: int) -> list[tuple[str, str]]:
+    per = -(-n // len(FILES))
+    out = []
+    for name in FILES:
+        rows = [json.loads(line) for line in (folder / f"{name}.jsonl").read_text().splitlines() if line.strip()]
+        out += [(f"{name}[{i}]", r["turns"][0]) for i, r in enumerate(rows[:per])]
+    return out[:n]
+
+
+def fixture_dflash(target, folder: Path) -> Path:
+    """A random z-lab DFlash drafter shaped for `target` (its config only is read)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from drafter_fixtures import write_zlab
+    from safetensors.numpy import save_file
+
+    tdir = folder / "target-config"
+    tdir.mkdir(parents=True, exist_ok=True)
+    cfg = {k: v for k, v in target.config.items() if isinstance(v, (int, float, str, bool, list, dict, type(None)))}
+    (tdir / "config.json").write_text(json.dumps(cfg))
+    save_file({}, str(tdir / "model.safetensors"))
+    return write_zlab(folder / "dflash", tdir, layers=1)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", help="default: the demo model")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "8", "4", "f32"])
+    ap.add_argument("--prompts", default="/work/shared/data/prompts/eval")
+    ap.add_argument("--n", type=int, default=30)
+    ap.add_argument("--tokens", type=int, default=192)
+    ap.add_argument("--modes", default="lookup,dspark,dspark-nolookup,dflash")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    import mlx_dspark as md
+    from mlx_dspark import benchmark as bm
+    from mlx_dspark.api import drafter_for
+    from mlx_dspark.kernels import invariant
+
+    dtype = "float32" if args.precision == "f32" else "bfloat16"
+    quantize = int(args.precision) if args.precision in ("8", "4") else None
+    model = args.model
+    if model is None:
+        from mlx_dspark.models.demo import demo_model_path
+
+        model = str(demo_model_path())
+    t0 = time.perf_counter()
+    target, tok = md.load_target(model, dtype=dtype, quantize=quantize)
+    load_s = time.perf_counter() - t0
+    prompts = eval_prompts(Path(args.prompts), args.n)
+    modes = [m for m in args.modes.split(",") if m and m != "baseline"]
+    tmp = Path(tempfile.mkdtemp(prefix="inv-bench-"))
+    drafters = {}
+    if "dflash" in modes:
+        drafters["dflash"] = drafter_for(target, "dflash", str(fixture_dflash(target, tmp)))
+    if any(m.startswith("dspark") for m in modes):
+        drafters["dspark"] = drafter_for(target, "dspark", None)
+
+    def run(mode: str, ids: list[int]):
+        kw = {}
+        name = mode
+        if mode == "dspark-nolookup":
+            name, kw = "dspark", {"lookup_drafts": False}
+        return md.generate(target, tok, None, prompt_ids=ids, mode=name, drafter=drafters.get(name),
+                           max_new_tokens=args.tokens, **kw)
+
+    head = (f"## {Path(model).name} {args.precision}: {len(prompts)} eval prompts, {args.tokens} tokens greedy, "
+            f"{bm.device_stamp()}")
+    path = invariant.attention_path() if target.decode_width else "MLX's own"
+    lines = [head, f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}",
+             f"target path: invariance={target.invariance}, decode width={target.decode_width or 'native'}, "
+             f"attention={path}, MLX_DSPARK_INVARIANT={os.environ.get('MLX_DSPARK_INVARIANT', 'auto')}; "
+             f"load + self-check {load_s:.1f} s", ""]
+    print(lines[2], flush=True)
+    same = {m: 0 for m in modes}
+    first = {m: None for m in modes}
+    tps = {m: [] for m in ["baseline"] + modes}
+    for label, text in prompts:
+        ids = md.encode_prompt(tok, text)
+        base = run("baseline", ids)
+        tps["baseline"].append(base.decode_tps)
+        for m in modes:
+            r = run(m, ids)
+            tps[m].append(r.decode_tps)
+            if r.tokens == base.tokens and r.text == base.text:
+                same[m] += 1
+                continue
+            at = first_divergence(r.tokens, base.tokens)
+            detail = (f"{label} token {at}: baseline {base.tokens[at] if at is not None and at < len(base.tokens) else None}"
+                      f" vs {r.tokens[at] if at is not None and at < len(r.tokens) else None}"
+                      if at is not None else f"{label}: same tokens, different text")
+            print(f"  {m}: DIFFERS on {detail}", flush=True)
+            if first[m] is None:
+                first[m] = detail
+    for m in modes:
+        gm = _geomean(tps[m]) / max(_geomean(tps["baseline"]), 1e-9)
+        line = f"{m:>16} {args.precision:>4}: {same[m]} of {len(prompts)} identical"
+        line += f"; first divergence: {first[m]}" if first[m] else ""
+        line += f"  (decode tok/s x{gm:.3f} baseline, geomean)"
+        lines.append(line)
+    lines.append(f"{'baseline':>16} {args.precision:>4}: {_geomean(tps['baseline']):.1f} tok/s decode (geomean)")
+    lines.append("")
+    bm.emit("\n".join(lines), args.out)
+    return 0 if all(same[m] == len(prompts) for m in modes) else 1
+
+
+def _geomean(xs: list[float]) -> float:
+    import math
+
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

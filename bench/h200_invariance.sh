@@ -1,0 +1,63 @@
+#!/bin/bash
+# Width invariance on the H200 (MLX 0.32.4 CUDA): exactly what ran on the device machine, in the
+# repo root (or a snapshot of it).
+#
+#   bash bench/h200_invariance.sh setup tests micro     # wheels, GPU unit tests, attention microbench
+#   bash bench/h200_invariance.sh diag                  # which ops move with the row; the path per precision and W
+#   bash bench/h200_invariance.sh identity              # bench_invariance.py per PRECISIONS
+#   bash bench/h200_invariance.sh contrast              # the native forward (MLX_DSPARK_INVARIANT=off)
+#   bash bench/h200_invariance.sh cost                  # bench_invariance_cost.py per PRECISIONS
+#
+# The carry set 'inv' (.device-carry/inv/cNN, CHUNK_MB=35, staged with shared/tools/device-carry/pack.sh):
+#   wheels/   mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0
+#   SmolLM2-135M-Instruct.Q4_1.gguf   the demo model; bf16 = its dequantized conversion, 8/4-bit = convert --quantize
+#   eval/     shared/data/prompts/eval
+# Results go to $OUT (one .md per step) and are copied into bench/results/ here.
+set -uo pipefail
+C=${C:-/var/tmp/carry/inv/files}
+OUT=${OUT:-/tmp/out}
+export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1 MLX_DSPARK_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export MLX_DSPARK_DEMO_GGUF=$C/SmolLM2-135M-Instruct.Q4_1.gguf
+PRECISIONS=${PRECISIONS:-"bf16 8 4"}
+N=${N:-30}
+TOKENS=${TOKENS:-192}
+mkdir -p "$OUT"
+T0=$(date +%s)
+el() { echo "[$(( $(date +%s) - T0 )) s]"; }
+
+for step in "$@"; do
+  case $step in
+  setup)
+    python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import mlx.core" 2>/dev/null || \
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$C"/wheels/*.whl
+    python3 -c "import mlx.core as mx, mlx_lm; print('MLX', mx.__version__, mx.default_device(), 'mlx-lm', mlx_lm.__version__)"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    el ;;
+  tests)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_invariant_attention.py tests/test_invariant_forward.py \
+      2>&1 | tee "$OUT/tests.txt" | tail -40
+    el ;;
+  diag)
+    python3 bench/diag_invariance.py --out "$OUT/diag.md" > /dev/null; cat "$OUT/diag.md"; el ;;
+  micro)
+    python3 bench/bench_invariant_attention.py --out "$OUT/micro.md" > /dev/null; cat "$OUT/micro.md"; el ;;
+  identity)
+    for p in $PRECISIONS; do
+      python3 bench/bench_invariance.py --precision "$p" --prompts "$C/eval" --n "$N" --tokens "$TOKENS" \
+        --out "$OUT/identity.md" 2>&1 | grep -v "^  " | tail -12
+      el
+    done ;;
+  contrast)
+    for p in ${CONTRAST:-bf16}; do
+      MLX_DSPARK_INVARIANT=off python3 bench/bench_invariance.py --precision "$p" --prompts "$C/eval" --n "${CN:-10}" \
+        --tokens "$TOKENS" --modes "${CMODES:-lookup,dspark}" --out "$OUT/contrast.md" 2>&1 | grep -v "^  " | tail -8
+      el
+    done ;;
+  cost)
+    for p in $PRECISIONS; do
+      python3 bench/bench_invariance_cost.py --precision "$p" --tokens "$TOKENS" --out "$OUT/cost.md" > /dev/null
+      tail -25 "$OUT/cost.md"; el
+    done ;;
+  *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
