@@ -36,6 +36,18 @@ COPY_PROMPT = (
 )
 CHAT_PROMPT = "Explain in a few sentences why the sky is blue."
 CODE_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
+MATH_PROMPT = ("A train leaves at 9:40 and arrives at 13:10, covering 245 km. What was its average speed "
+               "in km/h? Show each step.")
+# `mlx-dspark benchmark` prompt sets: a few short prompts per content class
+PROMPT_SETS = {
+    "chat": [CHAT_PROMPT, "Give me three tips for sleeping better, one sentence each.",
+             "What is the difference between a virus and a bacterium?"],
+    "code": [CODE_PROMPT, "Write a Python function that returns the n-th Fibonacci number iteratively.",
+             "Write a JavaScript function that removes duplicate values from an array."],
+    "math": [MATH_PROMPT, "Solve for x: 3x + 7 = 25. Explain each step.",
+             "What is 15% of 240? Show your working."],
+    "copy": [COPY_PROMPT],
+}
 
 
 @dataclass
@@ -153,3 +165,129 @@ def _first_diff(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
+
+
+# ------------------------------------------------------------------ `mlx-dspark benchmark`
+def precision(target) -> str:
+    """The target's weights as this run holds them: e.g. "float32", "bfloat16, 4-bit (group 64)"."""
+    from .decode.costs import _weights
+
+    dtypes, quant = _weights(target.model)
+    q = ", ".join(f"{b}-bit (group {g})" for b, g in quant)
+    return dtypes.replace("mlx.core.", "") + (f", {q}" if q else "")
+
+
+def stamp(target, drafter=None) -> dict:
+    """Where a benchmark ran: enough to fold a shared JSON into the registry."""
+    from . import __version__
+    from .blas import active_blas
+
+    cpu = mx.default_device() == mx.cpu
+    chip = cpu_name()
+    if not cpu:
+        try:
+            chip = mx.device_info().get("device_name", chip)
+        except Exception:
+            pass
+    return {"device": "cpu" if cpu else "gpu", "chip": chip, "cores": __import__("os").cpu_count(),
+            "machine": platform.machine(), "system": platform.system(), "mlx": mx.__version__,
+            "mlx_dspark": __version__, "blas": active_blas()["name"] if cpu else None,
+            "precision": precision(target), "model": str(target.source or target.name),
+            "drafter": getattr(drafter, "source", None) if drafter is not None else None}
+
+
+def _geomean(xs: list[float]) -> float:
+    import math
+
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
+
+
+def run_sets(target, tokenizer, sets: dict[str, list[str]], n: int, *, mode: str, trials: int = 3,
+             drafter=None, versus_mlx_lm: bool = False, progress=None, **kw) -> dict:
+    """Each prompt of each class: a warm-up run per side, then `trials` rounds in which the sides
+    alternate; per prompt the median decode tok/s of each side, per class the geometric mean over
+    its prompts, and the ratios (mode / baseline, and / mlx-lm)."""
+    sides = (["mlx_lm"] if versus_mlx_lm else []) + ["baseline", "mode"]
+    total = sum(len(p) for p in sets.values()) * (trials + 1) * len(sides)
+    done = 0
+    classes, resolved = {}, mode
+    for cls, prompts in sets.items():
+        rows = []
+        for prompt in prompts:
+            ids = encode_prompt(tokenizer, prompt)
+            runs: dict[str, list[Measure]] = {s: [] for s in sides}
+            for t in range(trials + 1):
+                order = sides if t % 2 == 0 else list(reversed(sides))
+                for side in order:
+                    if side == "mlx_lm":
+                        m = mlx_lm_decode(target, ids, n)
+                    else:
+                        m = ours(target, tokenizer, ids, n, "baseline" if side == "baseline" else mode,
+                                 drafter=drafter, **({} if side == "baseline" else kw))
+                        if side == "mode":
+                            resolved = m.label
+                    if t:  # t == 0 is the warm-up
+                        runs[side].append(m)
+                    done += 1
+                    if progress:
+                        progress(done, total, f"{cls} {side if side != 'mode' else resolved}")
+            med = {s: statistics.median(m.decode_tps for m in runs[s]) for s in sides}
+            rows.append({"prompt": prompt[:80], "tps": {("mode" if s == "mode" else s): round(v, 3) for s, v in med.items()},
+                         "mean_accept": round(statistics.median(m.mean_accept for m in runs["mode"]), 3),
+                         "same_tokens": all(m.tokens == runs["baseline"][0].tokens for m in runs["mode"])})
+        c = {"prompts": rows,
+             "baseline_tps": round(_geomean([r["tps"]["baseline"] for r in rows]), 3),
+             "mode_tps": round(_geomean([r["tps"]["mode"] for r in rows]), 3),
+             "mean_accept": round(statistics.mean(r["mean_accept"] for r in rows), 3),
+             "same_tokens": all(r["same_tokens"] for r in rows)}
+        c["ratio"] = round(_geomean([r["tps"]["mode"] / r["tps"]["baseline"] for r in rows]), 3)
+        if versus_mlx_lm:
+            c["mlx_lm_tps"] = round(_geomean([r["tps"]["mlx_lm"] for r in rows]), 3)
+            c["ratio_vs_mlx_lm"] = round(_geomean([r["tps"]["mode"] / r["tps"]["mlx_lm"] for r in rows]), 3)
+        classes[cls] = c
+    return {"mode": resolved, "requested_mode": mode, "trials": trials, "max_new_tokens": n, "classes": classes}
+
+
+def table(result: dict) -> str:
+    vs = any("mlx_lm_tps" in c for c in result["classes"].values())
+    head = ["class", "baseline tok/s", f"{result['mode']} tok/s", "x baseline"] + (
+        ["mlx-lm tok/s", "x mlx-lm"] if vs else []) + ["accept", "same tokens"]
+    lines = ["  ".join(f"{h:>14}" for h in head)]
+    for cls, c in result["classes"].items():
+        cells = [cls, f"{c['baseline_tps']:.2f}", f"{c['mode_tps']:.2f}", f"{c['ratio']:.3f}x"] + (
+            [f"{c['mlx_lm_tps']:.2f}", f"{c['ratio_vs_mlx_lm']:.3f}x"] if vs else []) + [
+            f"{c['mean_accept']:.2f}", "yes" if c["same_tokens"] else "NO"]
+        lines.append("  ".join(f"{x:>14}" for x in cells))
+    return "\n".join(lines)
+
+
+def chart(result: dict, stamp_: dict, path: str) -> None:
+    """A PNG bar chart of the per-class ratios (matplotlib: pip install 'mlx-dspark[chart]')."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        from .errors import UserError
+
+        raise UserError("--chart needs matplotlib: pip install 'mlx-dspark[chart]'") from None
+    classes = list(result["classes"])
+    vs = all("ratio_vs_mlx_lm" in result["classes"][c] for c in classes)
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(classes), 3.6))
+    xs = range(len(classes))
+    width = 0.38 if vs else 0.6
+    ax.bar([x - (width / 2 if vs else 0) for x in xs], [result["classes"][c]["ratio"] for c in classes], width,
+           label=f"{result['mode']} / baseline")
+    if vs:
+        ax.bar([x + width / 2 for x in xs], [result["classes"][c]["ratio_vs_mlx_lm"] for c in classes], width,
+               label=f"{result['mode']} / mlx-lm")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(list(xs), classes)
+    ax.set_ylabel("decode speed-up (x)")
+    ax.set_title(f"{Path(stamp_['model']).name} on {stamp_['chip']} ({stamp_['precision']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
