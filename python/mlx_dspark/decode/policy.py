@@ -192,7 +192,7 @@ class CostPolicy(DraftPolicy):
         self.cap = max(1, int(cap))
         self.slots = {s: _Slots(p) for s, p in PRIOR.items()}
         self.parks = {s: _Park() for s in PRIOR}
-        self.counts = {"parked_steps": 0, "probe_rounds": 0, "rounds": 0}
+        self.counts = {"probe_rounds": 0, "rounds": 0}
         self.plain_rate = 1.0 / costs.plain
 
     def _draft_cost(self, source: str) -> float:
@@ -222,7 +222,8 @@ class CostPolicy(DraftPolicy):
             return False
         k, r = self.best(source, offered, depth)
         park = self.parks[source]
-        return (k > 0 and r >= MARGIN * self.plain_rate) or (park.until > 0 and not park.probing)
+        # a losing source is let through once so that `length` parks it (and later probes it)
+        return (k > 0 and r >= MARGIN * self.plain_rate) or not park.probing
 
     def length(self, source: str, offered: int, n_hist: int, depth: int = 0) -> int:
         park = self.parks[source]
