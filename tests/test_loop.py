@@ -174,3 +174,22 @@ def test_stop_string_cuts_tokens_at_the_completing_token(targets):
         need = next(i for i in range(1, len(full.tokens) + 1) if stop in tok.decode(full.tokens[:i]))
         assert res.stop_string == stop and res.finish_reason == "stop"
         assert res.tokens == full.tokens[:need], mode
+
+
+def test_prefill_reports_progress_and_a_prefix_hit_starts_past_it(targets, monkeypatch):
+    from mlx_dspark.serve.prefix_cache import PrefixCache
+
+    target, tok = targets[("qwen3", 4.0)]
+    monkeypatch.setattr(loop, "PREFILL_CHUNK", 8)
+    ids = md.encode_prompt(tok, " ".join(WORDS))
+    seen = []
+    pc = PrefixCache(target)
+    res = md.generate(target, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=4, prefix_cache=pc,
+                      on_prefill=lambda done, total: seen.append((done, total)))
+    n = len(ids)
+    assert seen == [(min(8 * (i + 1), n - 1), n) for i in range((n - 2) // 8 + 1)]
+    seen.clear()
+    again = md.generate(target, tok, None, prompt_ids=ids + res.tokens + [5] * 9, mode="baseline",
+                        max_new_tokens=4, prefix_cache=pc, on_prefill=lambda done, total: seen.append((done, total)))
+    assert again.cached_tokens == n + len(res.tokens) - 1 and seen[0] == (again.cached_tokens, n + len(res.tokens) + 9)
+    assert seen[-1][0] == n + len(res.tokens) + 8

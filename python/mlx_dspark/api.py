@@ -195,10 +195,12 @@ def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None
           on_text: Callable[[str], None] | None = None, cancel: Callable[[], bool] | None = None,
           lookup_long_draft: int = 32, prompt_ids: Sequence[int] | None = None,
           keep_leading_space: bool = False, drafter_bits: int | None = None, draft_vocab="auto",
-          prefix_cache=None, **drafter_options) -> TextGeneration:
+          prefix_cache=None, on_prefill: Callable[[int, int], None] | None = None,
+          **drafter_options) -> TextGeneration:
     """A TextGeneration, not stepped yet. `on_text` receives text as it is committed; `cancel()`
     is asked between steps (and between prefill chunks). `prefix_cache` (serve/prefix_cache.py)
-    supplies the longest cached prefix of the prompt and keeps this generation's cache after."""
+    supplies the longest cached prefix of the prompt and keeps this generation's cache after.
+    `on_prefill(done, total)` hears how many prompt tokens are in the cache after each chunk."""
     if max_new_tokens is None or int(max_new_tokens) < 1:
         raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     sampling = sampling or SamplingParams()
@@ -230,7 +232,8 @@ def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None
     g = loop.Generation(target, ids, proposer, max_new_tokens=int(max_new_tokens), max_draft=int(max_draft),
                         sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer),
                         should_cancel=cancel, text=stream, cache=hit.cache if hit else None,
-                        reuse=(hit.reused, hit.hidden) if hit else None, keep_state=prefix_cache is not None)
+                        reuse=(hit.reused, hit.hidden) if hit else None, keep_state=prefix_cache is not None,
+                        on_prefill=on_prefill)
     return TextGeneration(g, stream, target, resolved_mode, cancel, prefix_cache, hit.reused if hit else 0)
 
 

@@ -72,9 +72,11 @@ TokenCallback = Callable[[list[int]], "str | None"]
 
 
 def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[int],
-             should_cancel: Callable[[], bool] | None = None):
+             should_cancel: Callable[[], bool] | None = None,
+             progress: Callable[[int], None] | None = None):
     """Feed the prompt; return the last row of logits and the tapped rows of every position,
-    or (None, None) when `should_cancel` said so between chunks.
+    or (None, None) when `should_cancel` said so between chunks. `progress(n)` hears how many
+    of the prompt's tokens are in after each chunk.
 
     As mlx-lm's generate_step does, all but the last token go through in chunks and the last
     token goes through alone, so the first generated token comes from the same arithmetic as
@@ -89,6 +91,8 @@ def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[
         if out.hidden is not None:
             hidden_parts.append(out.hidden[0])
         mx.eval([c.state for c in cache] + ([out.hidden] if out.hidden is not None else []))
+        if progress is not None:
+            progress(start + chunk.shape[1])
         if should_cancel is not None and should_cancel():
             return None, None
     out = target.forward(ids[n - 1 :][None], cache, taps=taps, last_only=True)
@@ -125,13 +129,15 @@ class Generation:
 
     `reuse=(n, hidden)`: the first `n` prompt positions are already in `cache` (a prefix-cache
     hit; `hidden` their tapped rows when the proposer taps), so prefill feeds the rest only.
-    `keep_state=True` keeps what `snapshot()` needs to hand the cache to a prefix cache."""
+    `keep_state=True` keeps what `snapshot()` needs to hand the cache to a prefix cache.
+    `on_prefill(done, total)` hears the prefill's progress after each chunk."""
 
     def __init__(self, target: Target, prompt: Sequence[int], proposer: Proposer | None = None, *,
                  max_new_tokens: int = 256, max_draft: int = 16, sampling: SamplingParams | None = None,
                  stop_token_ids: Sequence[int] = (), cache: list | None = None,
                  should_cancel: Callable[[], bool] | None = None, text=None,
-                 reuse: tuple[int, mx.array | None] | None = None, keep_state: bool = False):
+                 reuse: tuple[int, mx.array | None] | None = None, keep_state: bool = False,
+                 on_prefill: Callable[[int, int], None] | None = None):
         self.target, self.prompt = target, list(prompt)
         self.proposer = proposer or Proposer()
         self.sampling = sampling or SamplingParams()
@@ -153,6 +159,7 @@ class Generation:
             self.speculate, self.taps = False, ()
         self.reuse = reuse
         self.keep_state = keep_state
+        self.on_prefill = on_prefill  # (prompt tokens in the cache so far, prompt length)
         self.fed: list[int] = []  # the tokens in the target cache, in order (with keep_state)
         self.fed_hidden: list[mx.array] = []  # their tapped rows, in chunks (with keep_state)
         self.kept_taps = self.taps
@@ -238,7 +245,12 @@ class Generation:
             self.fed = list(self.prompt[:n_reused]) if self.keep_state else []
             if self.keep_state and self.kept_taps and reused_hidden is not None:
                 self.fed_hidden = [reused_hidden]
-        logits, hidden = _prefill(self.target, self.cache, self.prompt[n_reused:], self.taps, self.should_cancel)
+        total = len(self.prompt)
+        report = None if self.on_prefill is None else (lambda n: self.on_prefill(n_reused + n, total))
+        if report is not None and n_reused:
+            report(0)
+        logits, hidden = _prefill(self.target, self.cache, self.prompt[n_reused:], self.taps, self.should_cancel,
+                                  report)
         if logits is None:
             self.res.prefill_s = time.perf_counter() - t0
             self.res.finish_reason = "cancelled"
