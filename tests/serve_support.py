@@ -109,3 +109,21 @@ class LiveServer:
 
 def make_model(tmp: Path) -> Path:
     return write_model(tmp / "tiny-qwen3", "qwen3")
+
+
+def module_timer(label: str):
+    """An autouse module fixture that prints how long the module's tests took, even under -q
+    (CI's log shows what the server suites cost)."""
+    import pytest
+
+    @pytest.fixture(scope="module", autouse=True)
+    def _timer(request):
+        t0 = time.perf_counter()
+        yield
+        rep = request.config.pluginmanager.get_plugin("terminalreporter")
+        cap = request.config.pluginmanager.get_plugin("capturemanager")
+        if rep is not None and cap is not None:
+            with cap.global_and_fixture_disabled():
+                rep.write_line(f"\n[{label}: {time.perf_counter() - t0:.1f} s]")
+
+    return _timer

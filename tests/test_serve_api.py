@@ -8,7 +8,9 @@ import anthropic
 import openai
 import pytest
 
-from serve_support import LiveServer, make_model
+from serve_support import LiveServer, make_model, module_timer
+
+_timer = module_timer('openai + anthropic SDK suite')
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                              "parameters": {"type": "object", "properties": {

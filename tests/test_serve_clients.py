@@ -15,7 +15,9 @@ import anthropic
 import openai
 import pytest
 
-from serve_support import LiveServer, make_model
+from serve_support import LiveServer, make_model, module_timer
+
+_timer = module_timer('real-client suite')
 
 # SmolLM2's own template (the demo model): every role is a ChatML turn, no tools, no thinking.
 SMOL_TEMPLATE = (

@@ -13,7 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve_support import LiveServer, make_model
+from serve_support import LiveServer, make_model, module_timer
+
+_timer = module_timer('errors + fuzz suite')
 
 OA_ROUTES = ["/v1/chat/completions", "/v1/completions"]
 AN_ROUTES = ["/v1/messages", "/v1/messages/count_tokens"]

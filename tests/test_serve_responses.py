@@ -8,7 +8,9 @@ import json
 import openai
 import pytest
 
-from serve_support import LiveServer, make_model
+from serve_support import LiveServer, make_model, module_timer
+
+_timer = module_timer('Responses API SDK suite')
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
