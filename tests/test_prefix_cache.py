@@ -141,3 +141,53 @@ def test_targets_without_plain_kv_caches_say_why(model_dir):
     pc = PrefixCache(t)
     assert not pc.enabled and "plain KV caches" in pc.off_reason
     assert pc.lookup([1, 2, 3]) is None
+
+
+def test_the_server_reports_reuse_in_both_dialects_and_in_metrics():
+    import threading
+    import urllib.request
+
+    from mlx_dspark.serve.engine import Engine
+    from mlx_dspark.serve.http import make_server
+
+    t, tok, _ = _pair()
+    servers = {}
+    for name, pc in (("warm", PrefixCache(t, slots=2)), ("cold", None)):
+        engine = Engine(t, tok, mode="lookup", prefix_cache=pc, default_max_tokens=16)
+        server = make_server(engine, "127.0.0.1", 0, idle_timeout=10.0)
+        engine.start()
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers[name] = (engine, server)
+
+    def post(name, path, body):
+        engine, server = servers[name]
+        req = urllib.request.Request(server.url + path, data=json.dumps({"model": engine.model_id, **body}).encode(),
+                                     headers={"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    try:
+        msgs = [{"role": "user", "content": "the fox and the weather repeat hello world " * 3}]
+        first = post("warm", "/v1/chat/completions", {"messages": msgs, "max_tokens": 8})
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        follow = msgs + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "and then?"}]
+        warm = post("warm", "/v1/chat/completions", {"messages": follow, "max_tokens": 8})
+        cold = post("cold", "/v1/chat/completions", {"messages": follow, "max_tokens": 8})
+        assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+        assert 0 < warm["usage"]["prompt_tokens_details"]["cached_tokens"] < warm["usage"]["prompt_tokens"]
+        a = post("warm", "/v1/messages", {"messages": follow, "max_tokens": 8})
+        ac = post("cold", "/v1/messages", {"messages": follow, "max_tokens": 8})
+        assert a["content"] == ac["content"]
+        u = a["usage"]
+        assert u["cache_read_input_tokens"] > 0
+        assert u["input_tokens"] + u["cache_read_input_tokens"] == ac["usage"]["input_tokens"]
+        with urllib.request.urlopen(servers["warm"][1].url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        hits = [line for line in metrics.splitlines() if line.startswith("mlx_dspark_prefix_cache_hits_total")]
+        assert hits and int(hits[0].split()[-1]) >= 2
+    finally:
+        for engine, server in servers.values():
+            server.shutdown()
+            server.server_close()
+            engine.stop()

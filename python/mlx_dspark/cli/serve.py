@@ -40,6 +40,15 @@ def add_parser(sub) -> None:
     g.add_argument("--no-key-in-discovery", action="store_true",
                    help="leave the key out of the discovery file (then `mlx-dspark claude` needs --api-key)")
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation at start")
+    g.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt in full (default: a prompt that starts like an earlier "
+                        "conversation reuses its KV and prefills only the rest)")
+    g.add_argument("--prefix-cache-slots", type=positive_int, default=2,
+                   help="conversations kept in RAM, most recently used first (default 2)")
+    g.add_argument("--prefix-cache-max-ram-mb", type=float, default=None,
+                   help="RAM budget of the kept conversations (default: no budget beyond the slots)")
+    g.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="write conversations pushed out of RAM here and read them back, also after a restart")
     g.add_argument("--verbose", action="store_true", help="log every request")
 
 
@@ -70,7 +79,7 @@ def run(args) -> int:
                     drafter_options=drafter_options(args), lookup_long_draft=args.lookup_long_draft,
                     max_queue=args.max_queue, aliases=args.model_alias, context_window=args.context_window,
                     default_thinking=False if args.no_thinking else None, default_sampling=sampling,
-                    default_max_tokens=args.default_max_tokens)
+                    default_max_tokens=args.default_max_tokens, prefix_cache=_prefix_cache(args, target))
     if args.context_window and engine.trained_context and args.context_window > engine.trained_context:
         print(f"mlx-dspark serve: warning: --context-window {args.context_window} is beyond the "
               f"{engine.trained_context} tokens this model was trained for: it runs, but its answers past that "
@@ -119,3 +128,16 @@ def run(args) -> int:
     # grace period must not meet C++ static destructors (that aborted with exit 134).
     os._exit(0)
 
+
+def _prefix_cache(args, target):
+    """The server's prefix cache, or None with --no-prefix-cache (or where it cannot run: said once)."""
+    if args.no_prefix_cache:
+        return None
+    from ..serve.prefix_cache import PrefixCache
+
+    pc = PrefixCache(target, slots=args.prefix_cache_slots, max_ram_mb=args.prefix_cache_max_ram_mb,
+                     spill_dir=args.prefix_cache_dir)
+    if not pc.enabled:
+        print(f"mlx-dspark serve: prefix cache off: {pc.off_reason}", file=sys.stderr)
+        return None
+    return pc

@@ -320,8 +320,11 @@ class MessagesResponder:
         return "end_turn", None
 
     def _usage(self, job: Job) -> dict:
-        return {"input_tokens": job.outcome.result.prompt_tokens, "output_tokens": job.outcome.completion_tokens,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        # As Anthropic counts: input_tokens excludes the prompt tokens read from the cache.
+        res = job.outcome.result
+        cached = getattr(res, "cached_tokens", 0)
+        return {"input_tokens": res.prompt_tokens - cached, "output_tokens": job.outcome.completion_tokens,
+                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
     def _keep_call(self) -> bool:
         return self.parallel or self.n_calls == 0

@@ -300,7 +300,7 @@ class ChatResponder:
         out = job.outcome
         p, n = out.result.prompt_tokens, out.completion_tokens
         return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
-                "prompt_tokens_details": {"cached_tokens": 0},
+                "prompt_tokens_details": {"cached_tokens": getattr(out.result, "cached_tokens", 0)},
                 "completion_tokens_details": {
                     "reasoning_tokens": reasoning_tokens(self.engine, job, self.saw_reasoning)}}
 
