@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .. import kernels
 from .proposers import Draft
-from .sampling import SamplingParams
+from .sampling import SamplingParams, raw_logprobs
 
 
 class GreedyAcceptor:
@@ -40,20 +40,6 @@ class GreedyAcceptor:
 
     def token_logprobs(self, rows: mx.array, tokens: Sequence[int], history: Sequence[int]) -> list[dict]:
         return raw_logprobs(rows, tokens, self.params.top_logprobs)
-
-
-def raw_logprobs(rows: mx.array, tokens: Sequence[int], top: int) -> list[dict]:
-    """Log-softmax of `rows` [n, V] at `tokens`, with the `top` most likely alternatives."""
-    lp = rows.astype(mx.float32)
-    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    out = []
-    for i, t in enumerate(tokens):
-        entry = {"token": int(t), "logprob": float(lp[i, int(t)].item())}
-        if top:
-            idx = mx.argsort(-lp[i])[:top]
-            entry["top"] = [(int(j), float(lp[i, int(j)].item())) for j in idx.tolist()]
-        out.append(entry)
-    return out
 
 
 def make_acceptor(params: SamplingParams | None):

@@ -79,9 +79,8 @@ import mlx.core as mx
 import numpy as np
 
 from .. import kernels
-from .accept import raw_logprobs
 from .proposers import Draft
-from .sampling import SamplingParams
+from .sampling import SamplingParams, raw_logprobs
 
 RESIDUAL_EPS = 1e-8
 _STREAMS = {"accept": 0, "draft": 1}

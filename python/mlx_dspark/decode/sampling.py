@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
 
 PENALTY_RANGE = 2.0
 
@@ -74,3 +77,17 @@ class SamplingParams:
             raise UserError(f"seed must be an integer >= 0, got {self.seed!r}")
         if not 0 <= self.top_logprobs <= 20:
             raise UserError(f"top_logprobs must be in 0..20, got {self.top_logprobs}")
+
+
+def raw_logprobs(rows: mx.array, tokens: Sequence[int], top: int) -> list[dict]:
+    """Log-softmax of `rows` [n, V] at `tokens`, with the `top` most likely alternatives."""
+    lp = rows.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    out = []
+    for i, t in enumerate(tokens):
+        entry = {"token": int(t), "logprob": float(lp[i, int(t)].item())}
+        if top:
+            idx = mx.argsort(-lp[i])[:top]
+            entry["top"] = [(int(j), float(lp[i, int(j)].item())) for j in idx.tolist()]
+        out.append(entry)
+    return out
