@@ -12,7 +12,9 @@ recorded into a ReplayArraysCache, then the state at accept point m rebuilt two 
   * re-run   restore the cache from before the round and feed the m accepted positions through
              the layer again (input projections, conv, recurrence; the state only is evaluated).
 Timings are per layer, `sync` (one rebuild then mx.eval), median of --reps after a warm-up; the
-ratio is re-run / replay. The replay here is the pure-MLX path (no native kernel yet).
+ratio is re-run / replay. On a GPU a third column times kernels/gdn_replay.py's native kernel
+(same recorded inputs; not yet what the rollback runs, see that module). The >= 5x bar of the
+hybrid-rollback issue is for the H200 at these shapes.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
+    from mlx_dspark.kernels import gdn_replay
     from mlx_dspark.models.hybrid import ReplayArraysCache
+
+    native = gdn_replay.replay_path() != "reference"
 
     dtype = getattr(mx, a.dtype)
     m = layer(dtype)
@@ -91,16 +96,32 @@ def main(argv=None) -> int:
             mx.eval(c[0], c[1])  # the state only: MLX skips the output projection
             return time.perf_counter() - t
 
+        def kernel():
+            from mlx_lm.models.gated_delta import compute_g
+
+            c = ReplayArraysCache(2)
+            c[0], c[1] = before
+            mx.eval(m(x_round, None, c))
+            r = c.round
+            t = time.perf_counter()
+            g = compute_g(m.A_log, r.a[:, :keep], m.dt_bias)
+            s = gdn_replay.gdn_replay(r.k[:, :keep], r.v[:, :keep], g, mx.sigmoid(r.b[:, :keep]), r.state_before)
+            mx.eval(mx.contiguous(r.conv_input[:, keep : keep + 3, :]), s)
+            return time.perf_counter() - t
+
         t_replay = statistics.median([replay() for _ in range(a.reps + 1)][1:])
         t_rerun = statistics.median([rerun() for _ in range(a.reps + 1)][1:])
-        rows.append((keep, t_replay, t_rerun))
+        t_kernel = statistics.median([kernel() for _ in range(a.reps + 1)][1:]) if native else None
+        rows.append((keep, t_replay, t_rerun, t_kernel))
     dev = str(mx.default_device())
     lines = [f"# Hybrid rollback: replay vs re-run (one GDN layer, Qwen3.5-9B-like shapes)", "",
              f"Command: `python bench/bench_hybrid_replay.py --dtype {a.dtype} --width {a.width} --prefix {a.prefix}`  ",
              f"Machine: {platform.machine()} {platform.system()}, MLX {mx.__version__}, device {dev}, {a.dtype}", "",
-             "| accepted m of w | replay (ms) | re-run (ms) | re-run / replay |", "|---|---|---|---|"]
-    for keep, tr, tu in rows:
-        lines.append(f"| {keep} of {a.width} | {tr * 1e3:.3f} | {tu * 1e3:.3f} | {tu / tr:.2f}x |")
+             "| accepted m of w | replay (ms) | re-run (ms) | re-run / replay | kernel (ms) | re-run / kernel |",
+             "|---|---|---|---|---|---|"]
+    for keep, tr, tu, tk in rows:
+        k = f"{tk * 1e3:.3f} | {tu / tk:.2f}x" if tk else "- | - (no GPU kernel here)"
+        lines.append(f"| {keep} of {a.width} | {tr * 1e3:.3f} | {tu * 1e3:.3f} | {tu / tr:.2f}x | {k} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

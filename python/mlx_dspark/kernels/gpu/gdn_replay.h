@@ -1,0 +1,47 @@
+// gdn_replay.h: the Gated DeltaNet recurrence replayed over T recorded positions, for rolling a
+// hybrid target's recurrent state back to an accept point. One body over ds_portable.h.
+// Semantics: kernels/gdn_replay.py::gdn_replay_reference (mlx-lm's scalar-gated delta rule).
+//
+// k [B, T, Hk, Dk], v [B, T, Hv, Dv], g / beta [B, T, Hv], state [B, Hv, Dv, Dk] (float32),
+// all row-contiguous. One thread per state row (b, hv, dv): the row's Dk floats stay in the
+// thread; for t = 0 .. T-1, in order:
+//   s_i  = s_i * g_t                      (decay)
+//   kv   = sum_i s_i * k_ti               (sequential in i)
+//   d    = (v_t - kv) * beta_t
+//   s_i  = s_i + k_ti * d
+// so a row's arithmetic per position never depends on T (replaying m positions in one call is
+// bitwise m calls of one position). Value head hv reads key head hv / (Hv / Hk).
+#ifndef MLX_DSPARK_GDN_REPLAY_H
+#define MLX_DSPARK_GDN_REPLAY_H
+
+#define DS_GR_MAX_DK 256  // largest key head dimension
+#define DS_GR_THREADS 64  // threads per threadgroup
+
+template <typename KP, typename VP, typename GP, typename BP, typename SP, typename OP>
+DS_FUNC void ds_gr_row(KP k, VP v, GP g, BP beta, SP s0, OP s_out, int T, int Hk, int Hv, int Dk,
+                       int Dv, int row) {
+  const int dv = row % Dv;
+  const int bh = row / Dv;
+  const int hv = bh % Hv;
+  const int b = bh / Hv;
+  const int hk = hv / (Hv / Hk);
+  float s[DS_GR_MAX_DK];
+  const ds_i64 srow = (ds_i64)row * Dk;
+  for (int i = 0; i < Dk; ++i) s[i] = ds_to_float(s0[srow + i]);
+  for (int t = 0; t < T; ++t) {
+    const ds_i64 kt = (((ds_i64)b * T + t) * Hk + hk) * Dk;
+    const ds_i64 gt = ((ds_i64)b * T + t) * Hv + hv;
+    const float decay = ds_to_float(g[gt]);
+    const float bt = ds_to_float(beta[gt]);
+    float kv = 0.0f;
+    for (int i = 0; i < Dk; ++i) {
+      s[i] = s[i] * decay;
+      kv += s[i] * ds_to_float(k[kt + i]);
+    }
+    const float d = (ds_to_float(v[gt * Dv + dv]) - kv) * bt;
+    for (int i = 0; i < Dk; ++i) s[i] = s[i] + ds_to_float(k[kt + i]) * d;
+  }
+  for (int i = 0; i < Dk; ++i) s_out[srow + i] = s[i];
+}
+
+#endif  // MLX_DSPARK_GDN_REPLAY_H
