@@ -17,7 +17,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from ..decode.loop import PREFILL_CHUNK
 from ..decode.sampling import SamplingParams
 from ..errors import UserError
 from .validate import ApiError
@@ -303,22 +302,20 @@ class Engine:
                 job.events.put(("text", chunk))
 
         n = len(req.prompt_ids)
-        chunks = (n - 2) // PREFILL_CHUNK + 1 if n > 1 else 0  # the loop asks cancel() after each chunk
-        calls = [0]
 
         def cancel() -> bool:
             job.commits += 1
-            calls[0] += 1
-            if calls[0] <= chunks and job.t_first is None:
-                self._prefill_progress(job, min(calls[0] * PREFILL_CHUNK, n - 1), n)
             return job.cancelled.is_set()
+
+        def on_prefill(done: int, total: int) -> None:  # after each chunk (past a prefix-cache hit)
+            self._prefill_progress(job, done, total)
 
         if self.metrics:
             self.metrics.gauge_prefill(0, n)
         res = self._generate(self.target, self.tokenizer, None, prompt_ids=req.prompt_ids, mode=self.mode,
                              drafter=self.drafter, max_new_tokens=req.max_tokens, max_draft=self.max_draft,
                              sampling=req.sampling, stop=req.stop, on_text=on_text, cancel=cancel,
-                             lookup_long_draft=self.lookup_long_draft, keep_leading_space=req.raw,
+                             on_prefill=on_prefill, lookup_long_draft=self.lookup_long_draft, keep_leading_space=req.raw,
                              **({"prefix_cache": self.prefix_cache} if self.prefix_cache is not None else {}),
                              **self.drafter_options)
         if res.finish_reason == "length" and res.text.endswith("\ufffd"):
