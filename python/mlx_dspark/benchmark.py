@@ -73,10 +73,9 @@ def load_bench_target(model: str | None, dtype: str | None = None):
     """(model path or id, target, tokenizer): `model`, or the demo model (SmolLM2-135M-Instruct GGUF)."""
     from .models.loading import load_target
 
-    if model is None:
-        from .models.demo import demo_model_path
+    from .models.demo import model_or_demo
 
-        model = str(demo_model_path())
+    model = model_or_demo(model)
     target, tok = load_target(model, dtype=dtype)
     return model, target, tok
 

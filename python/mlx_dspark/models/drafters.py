@@ -29,6 +29,7 @@ from .checkpoints import (DrafterSpec, build_spec, check_target, check_tensors, 
                           resolve_checkpoint, tensor_shapes)
 from .dflash import BlockDrafter, ZLabDFlashDrafter, ZLabDFlashModel, _raw_head
 from .dspark import DSparkDrafter, DSparkModel
+from .precision import cast_model
 
 GROUP_SIZE = 64
 
@@ -52,13 +53,6 @@ def target_dtype(target) -> mx.Dtype:
             if mx.issubdtype(v.dtype, mx.floating):
                 return v.dtype
         return mx.float32
-
-
-def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
-    from mlx.utils import tree_map
-
-    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
 
 
 def _same_matrix(a: mx.array, b: mx.array, rows: int = 8192) -> bool:
@@ -113,7 +107,7 @@ def _quantize(model: nn.Module, bits: int) -> None:
 
     nn.quantize(model, group_size=GROUP_SIZE, bits=bits, class_predicate=predicate)
     if mx.default_device() == mx.cpu:
-        from .loading import cast_scales_f32
+        from .precision import cast_scales_f32
 
         cast_scales_f32(model)
 
@@ -144,7 +138,7 @@ def load_drafter(source: str, target, *, bits: int | None = None, draft_vocab="a
     weights = read_weights(path)
     model.load_weights(list(weights.items()), strict=True)
     del weights
-    _cast(model, target_dtype(target))
+    cast_model(model, target_dtype(target))
     if zlab:
         drafter: BlockDrafter = ZLabDFlashDrafter(model, spec, target, bits=bits)
     else:

@@ -208,6 +208,15 @@ def _atomic_write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def sha256_of(path: Path) -> str:
+    """sha256 of a file's bytes, read in 4 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def file_sha256(path: Path) -> str:
     """sha256 of a file, remembered by (path, size, mtime) in the cache so a second load skips it."""
     path = Path(path).resolve()
@@ -220,11 +229,7 @@ def file_sha256(path: Path) -> str:
     hit = index.get(str(path))
     if hit and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns:
         return hit["sha256"]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = sha256_of(path)
     index = {k: v for k, v in index.items() if Path(k).exists()}
     index[str(path)] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
     try:

@@ -9,9 +9,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UserError, option
+from .precision import DTYPES, cast_model, cast_scales_f32, default_dtype
 from .target import Target
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 def resolve_model_path(model: str) -> Path:
@@ -37,26 +37,12 @@ def resolve_model_path(model: str) -> Path:
                         "pass a local folder or .gguf file with --model") from None
 
 
-def cast_model(model: nn.Module, dtype) -> None:
-    """Cast floating parameters (quantization scales and biases included) to `dtype`."""
-    from mlx.utils import tree_map
-
-    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
-
-
-def default_dtype() -> str:
-    """float32 on CPU (BLAS-backed matmuls; bf16 never uses BLAS), bfloat16 on a GPU."""
-    return "float32" if mx.default_device() == mx.cpu else "bfloat16"
-
-
 def load_target(model: str | None = None, *, dtype: str | None = None, quantize: int | None = None,
                 kv_bits: int | None = None, probe: bool = True, taps=()) -> tuple[Target, object]:
     """Load a target and its tokenizer. Returns (target, tokenizer). `model=None`: the demo model."""
-    if model is None:
-        from .demo import demo_model_path
+    from .demo import model_or_demo
 
-        model = str(demo_model_path())
+    model = model_or_demo(model)
     if kv_bits not in (None, 0, 2, 3, 4, 6, 8):
         raise UserError(f"{option('kv-bits')} must be one of 2, 3, 4, 6, 8, got {kv_bits}")
     if dtype is not None and dtype not in DTYPES:
@@ -94,13 +80,3 @@ def load_target(model: str | None = None, *, dtype: str | None = None, quantize:
     if probe:
         target.probe(taps)
     return target, tokenizer
-
-
-def cast_scales_f32(model: nn.Module) -> None:
-    """MLX's CPU quantized matmul crawls with fp16/bf16 scales; float32 scales run at full speed."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    params = tree_flatten(model.parameters())
-    fixed = [(k, v.astype(mx.float32)) for k, v in params if k.endswith((".scales", ".biases")) and v.dtype != mx.float32]
-    if fixed:
-        model.update(tree_unflatten(fixed))

@@ -91,11 +91,9 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
     # Cheap checks first: bad prompt files fail before the target is loaded.
     prompts = D.load_prompts(opts.prompts, builtin=opts.builtin_prompts)
     eval_prompts = [p for f in opts.eval_prompts for p in D.read_prompt_file(f)]
-    model = opts.model
-    if model is None:
-        from ..models.demo import demo_model_path
+    from ..models.demo import model_or_demo
 
-        model = str(demo_model_path())
+    model = model_or_demo(opts.model)
     t0 = time.perf_counter()
     target, tokenizer = load_target(model, dtype=opts.dtype)
     D.require_chat_template(tokenizer, f"target {model}")
