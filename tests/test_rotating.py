@@ -211,3 +211,31 @@ def test_lookup_commits_blocks_past_the_window():
     assert look.tokens == base.tokens and look.text == base.text
     assert look.stats["lookup_accepted"] > 2 * WINDOW  # many tokens drafted and kept past the window
     assert look.rounds < base.rounds
+
+
+def test_gemma4_past_the_window():
+    """gemma4_text (its sliding layers share the mask; a DSpark gemma4-variant drafter) with the
+    window cut to 8: every mode token- and text-identical to baseline and to mlx-lm."""
+    import json
+
+    from drafter_fixtures import write_gemma4_target
+
+    path = write_gemma4_target(_ROOT / "gemma4-w8", seed=4)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["sliding_window"] = WINDOW
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    tgt, tok = md.load_target(str(path), dtype="float32")
+    assert tgt.rollback_kind == "rewind"
+    d = load_drafter(str(write_deepspec(_ROOT / "gemma4-w8-dspark", path, style="gemma4", softcap=1.0)), tgt, bits=16)
+    ids = md.encode_prompt(tok, "the fox def add hello world the fox")
+    n = 60
+    base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=n)
+    assert base.tokens == independent_greedy(tgt, ids, n, set(md.api.stop_token_ids(tgt, tok)))
+    runs = [md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=n),
+            md.generate(tgt, tok, None, prompt_ids=ids, mode="dspark", drafter=d, max_new_tokens=n),
+            md.generate(tgt, tok, None, prompt_ids=ids, proposer=_ScriptedProposer(base.tokens + [0] * 80),
+                        max_new_tokens=n, max_draft=6)]
+    for r in runs:
+        assert r.tokens == base.tokens and r.text == base.text
+        assert "speculation_off" not in r.stats
+    assert max(runs[2].accept_lengths) > 1 and len(ids) + n > 2 * WINDOW
