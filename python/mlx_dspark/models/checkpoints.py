@@ -1,6 +1,6 @@
 """Drafter checkpoints: where they come from, which packaging they are, and whether they fit.
 
-Packagings (drafters-spec.md §1.2-§1.3, §3):
+Packagings (DeepSpec's build_draft_config and checkpoint manager; z-lab's dflash_config):
   deepspec-dspark   architectures Qwen3DSparkModel | Gemma4DSparkModel, markov_rank > 0 and/or
                     a confidence head; ships embed_tokens + lm_head copies; block slot j predicts
                     the token at anchor + j + 1 (all B slots are drafts).

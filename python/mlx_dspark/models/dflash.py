@@ -7,7 +7,7 @@ distributions in one backbone pass:
   hidden = backbone(embed(ids), ctx rows of positions cache.offset .. start-1)
   drafts = logits of slots logits_start .. B-1
 
-Two DFlash packagings (drafters-spec.md §3):
+Two DFlash packagings (DeepSpec's config/dflash/*, and z-lab's, arXiv 2602.06036):
   DeepSpec  `DSparkDrafter` with both heads off (models/dspark.py): own embed / lm_head copies,
             every slot is a draft (slot j predicts anchor + j + 1), block 7.
   z-lab     `ZLabDFlashDrafter` (here): no embed / lm_head in the checkpoint, the target's are

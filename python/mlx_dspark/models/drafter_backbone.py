@@ -1,4 +1,4 @@
-"""The parallel drafter backbone shared by DSpark and DFlash (drafters-spec.md §1.4-§1.5, §3.2).
+"""The parallel drafter backbone shared by DSpark and DFlash (DeepSpec deepspec/modeling/dspark/*/modeling.py; z-lab DFlash, arXiv 2602.06036).
 
 One forward drafts a whole block: the block's input embeddings attend, non-causally, to
   * the context: the fused target taps of every committed position before the anchor

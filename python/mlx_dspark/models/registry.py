@@ -6,7 +6,7 @@ Matching is quantization-agnostic: a target is known by its base model name, so
 the target's shape (family, hidden size, depth, vocabulary), so a renamed folder of another
 model never picks up a drafter meant for something else.
 
-The seed rows are the pairs DeepSeek (DeepSpec, drafters-spec.md §0) and z-lab (the dflash
+The seed rows are the pairs DeepSeek (DeepSpec) and z-lab (the dflash
 README) published. None is measured by mlx-dspark yet (`measured` is None): their figures will
 come from users who can reach the hub (`mlx-dspark benchmark --json`). `--drafter` overrides
 the registry; any compatible checkpoint runs through it without an entry here.
@@ -49,7 +49,8 @@ QWEN3_14B = Shape(_QWEN3, 5120, 40, 151936)
 GEMMA4_12B = Shape(_GEMMA4, 3840, 48, 262144)
 LLAMA31_8B = Shape(("llama",), 4096, 32, 128256)
 SMOLLM2_135M = Shape(("llama",), 576, 30, 49152)
-# Our own reference drafter, distilled with `mlx-dspark distill` (issue 5), shipped in the package.
+# Our own reference drafter, distilled with `mlx-dspark distill`, shipped in the package (its README
+# holds how it was trained).
 SMOLLM2_DSPARK = str(Path(__file__).resolve().parents[1] / "assets" / "dspark-smollm2-135m-instruct")
 
 _DEEPSEEK = "DeepSeek (DeepSpec)"
@@ -59,8 +60,8 @@ UNMEASURED = "published pair; not yet measured by mlx-dspark"
 PAIRS: tuple[Pair, ...] = (
     Pair("smollm2-135m-instruct", "dspark", SMOLLM2_DSPARK, "mlx-dspark (distill)", "deepspec-dspark", 7,
          SMOLLM2_135M, measured="CPU float32: accept 3.20 humaneval, 3.51 mbpp, 2.32 mt-bench; code 2.36x greedy "
-         "(bench/results/dspark-cpu.md)", note="the demo target's drafter (mlx-dspark distill, 55 min of training on "
-         "an H200 over four sessions); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's"),
+         "(bench/results/dspark-cpu.md)", note="the demo target's drafter (mlx-dspark distill; its README says how it "
+         "was trained); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's"),
     Pair("qwen3-4b", "dspark", "deepseek-ai/dspark_qwen3_4b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_4B),
     Pair("qwen3-8b", "dspark", "deepseek-ai/dspark_qwen3_8b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_8B),
     Pair("qwen3-14b", "dspark", "deepseek-ai/dspark_qwen3_14b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_14B),

@@ -1,4 +1,4 @@
-"""`mlx-dspark distill`: train DSpark / DFlash drafters for any target, in MLX (issue 5).
+"""`mlx-dspark distill`: train DSpark / DFlash drafters for any target, in MLX.
 
   data.py        prompts (JSONL + a built-in set) -> the target's own answers (batched)
   forward.py     the drafter's training forward: many blocks at once, the block attention mask

@@ -1,7 +1,7 @@
 """What `distill` writes: the drafter's config and weights, the resumable training state, the
 compact export for shipping.
 
-Checkpoint = DeepSpec's layout (drafters-spec.md §1.2-§1.3): `config.json` built from the target's
+Checkpoint = DeepSpec's layout (deepspec/modeling/dspark/*/config.py, build_draft_config): `config.json` built from the target's
 (text) config with DeepSpec's keys added, and `model.safetensors` with top-level tensor names
 (`fc.weight`, `layers.N...`, `markov_head...`, `confidence_head...`, `embed_tokens.weight`,
 `lm_head.weight`: frozen copies of the target's), bf16 like the released checkpoints. Architecture
@@ -39,7 +39,7 @@ _DROP = ("layer_types", "sliding_window", "rope_scaling", "rope_theta", "quantiz
 
 
 def default_taps(num_layers: int, n: int = 5) -> list[int]:
-    """n taps spread over the target's layers, never its last one (drafters-spec.md §1.4):
+    """n taps spread over the target's layers, never its last one (as DeepSpec's configs pick them):
     z-lab's formula (evenly from 1 to L-3) where it gives n distinct layers, else evenly over 0..L-2."""
     if num_layers < 2:
         raise UserError(f"the target has {num_layers} layer(s); a drafter needs at least 2 to tap")

@@ -1,4 +1,4 @@
-"""Training data for `distill`: prompts in, the target's own answers out (drafters-spec.md §5.1).
+"""Training data for `distill`: prompts in, the target's own answers out (as in the DSpark paper, §4.1).
 
 Prompts are JSONL records in the `{"turns": [...]}` format of shared/data/prompts (only the first
 turn is used, as DeepSpec's evaluator does), plus a small built-in set. Each prompt is rendered

@@ -3,7 +3,7 @@
 Every prompt is generated greedily by the one verify loop (api.generate) with the drafter as the
 proposer, exactly as `mlx-dspark generate` runs it. Acceptance length per round = accepted
 drafts + 1 (the bonus), pooled over all rounds of a domain (DeepSpec's `accept_len`,
-drafters-spec.md §2.6). Free n-gram lookup drafts are off, so the figure is the drafter's own.
+DeepSpec's deepspec/eval/base_evaluator.py). Free n-gram lookup drafts are off, so the figure is the drafter's own.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 It runs the very modules the inference path loads (models/dspark.py `DSparkModel`, its
 `Backbone` layers from models/drafter_backbone.py: same parameters, same names), but attends
-with DeepSpec's training mask (drafters-spec.md §1.5, §5.2) instead of a context cache:
+with DeepSpec's training mask (deepspec/modeling/dspark/common.py) instead of a context cache:
 
   a block b of sequence s, anchored at position p_b (slots j = 0..B-1 at positions p_b + j),
   attends to the fused context ctx_t of its own sequence for t < p_b, and to all B slots of its

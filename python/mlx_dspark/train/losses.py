@@ -1,4 +1,4 @@
-"""DSpark / DFlash training losses (drafters-spec.md §5.3, DeepSpec `deepspec/modeling/dspark/loss.py`).
+"""DSpark / DFlash training losses (DeepSpec `deepspec/modeling/dspark/loss.py`; DSpark paper Eq. 9-12).
 
 For block slot j (0-based; slot j predicts the token at anchor + j + 1) with validity mask m_j
 (label inside the answer, cumulative along j) and position weight w_j = exp(-j / gamma):

@@ -26,7 +26,7 @@ from . import data as D
 from .trainer import DistillConfig, resolve_arch, train
 
 # When the target ships no generation_config.json: DeepSpec's regeneration defaults for Qwen3
-# non-thinking answers (drafters-spec.md §5.1).
+# non-thinking answers (DSpark paper, §4.1).
 DEFAULT_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
 
 

@@ -1,6 +1,6 @@
 """`distill`: train a DSpark (or DeepSpec-DFlash) drafter for a target, in MLX, on any backend.
 
-One step (drafters-spec.md §5.5, "online target"):
+One step (DeepSpec's "online target" mode: config/dspark/*_online.py):
   1. a batch of S samples (prompt + the target's own answer), right-padded;
   2. the target runs them once, teacher-forced: its tapped layer outputs and its logits (no
      cache of hidden states: they are recomputed every step);
@@ -354,7 +354,7 @@ class StopRequest:
 def target_inputs(target, tok: mx.array, lens: list[int], anc: np.ndarray, msk: np.ndarray, B: int, taps,
                   vocab: TrainVocab | None = None):
     """One teacher-forced target forward: its tapped rows [S, T, C] and its logits at the block
-    slots' predecessor positions anchor + j [S, A*B, V] (drafters-spec.md §5.2); with `vocab`,
+    slots' predecessor positions anchor + j [S, A*B, V] (DeepSpec deepspec/modeling/dspark/common.py); with `vocab`,
     their subset columns [S, A*B, K] and log-normalisers [S, A*B] (no [S, A*B, V] gather).
 
     Padding rows and unsupervised slots are never attended to or counted, but their values
