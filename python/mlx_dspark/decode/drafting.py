@@ -1,7 +1,8 @@
 """The DSpark / DFlash Proposer: a block drafter behind the Proposer protocol.
 
-Context bookkeeping (as DeepSpec's deepspec/eval/dspark/draft_ops.py keeps it between rounds). The
-drafter's context must hold the fused target taps of every committed position before the anchor, and nothing rejected:
+Context bookkeeping, as DeepSpec's deepspec/eval/dspark/draft_ops.py keeps it between rounds. The
+drafter's context must hold the fused target taps of every committed position before the anchor,
+and nothing rejected:
   begin     the prompt rows [N, T] become pending context;
   observe   the verify's kept rows (anchor + accepted drafts; a plain step's fed token) are
             appended to the pending context;
