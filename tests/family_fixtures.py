@@ -6,6 +6,7 @@
   qwen3_5_moe  the same with a sparse MoE block (experts packed as gate_up_proj / down_proj)
   qwen3_next   hybrid GDN, MoE (per-expert tensors), flat config
   gemma3_text  sliding-window (RotatingKVCache) layers interleaved with global ones
+  qwen3_moe    dense attention, sparse MoE MLP (per-expert tensors), for the MoE path
 
 `write_family(path, family, ...)` writes config.json + model.safetensors + the tokenizer of
 fixtures.py; `fixtures.write_model` forwards these family names here.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3_text")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3_text", "qwen3_moe")
 
 
 def _weights(rng, std):
@@ -145,6 +146,36 @@ def _gemma3(vocab, eos, rng, *, layers, hidden, window):
     return cfg, t
 
 
+def _qwen3_moe(vocab, eos, rng, *, layers, hidden):
+    heads, kv, hd, E, mi = 4, 2, 16, 4, 64
+    w = _weights(rng, 0.3)
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+           "num_hidden_layers": layers, "intermediate_size": 128, "num_attention_heads": heads,
+           "num_key_value_heads": kv, "head_dim": hd, "num_experts": E, "num_experts_per_tok": 2,
+           "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": mi, "rms_norm_eps": 1e-6,
+           "vocab_size": vocab, "rope_theta": 10000.0, "tie_word_embeddings": False,
+           "max_position_embeddings": 4096, "norm_topk_prob": True, "eos_token_id": eos, "torch_dtype": "float32"}
+    ones = lambda n: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    t = {"model.embed_tokens.weight": w(vocab, hidden, s=1.0), "model.norm.weight": ones(hidden),
+         "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = w(heads * hd, hidden)
+        t[p + "self_attn.k_proj.weight"] = w(kv * hd, hidden)
+        t[p + "self_attn.v_proj.weight"] = w(kv * hd, hidden)
+        t[p + "self_attn.o_proj.weight"] = w(hidden, heads * hd)
+        t[p + "self_attn.q_norm.weight"] = ones(hd)
+        t[p + "self_attn.k_norm.weight"] = ones(hd)
+        t[p + "input_layernorm.weight"] = ones(hidden)
+        t[p + "post_attention_layernorm.weight"] = ones(hidden)
+        t[p + "mlp.gate.weight"] = w(E, hidden)
+        for e in range(E):
+            t[p + f"mlp.experts.{e}.gate_proj.weight"] = w(mi, hidden)
+            t[p + f"mlp.experts.{e}.up_proj.weight"] = w(mi, hidden)
+            t[p + f"mlp.experts.{e}.down_proj.weight"] = w(hidden, mi)
+    return cfg, t
+
+
 def write_family(path, family: str, *, layers: int = 4, hidden: int = 64, seed: int = 0,
                  window: int = 8, vocab_size: int = 384) -> Path:
     """A random `family` model (see FAMILIES) in its HF layout, tokenizer included.
@@ -163,6 +194,8 @@ def write_family(path, family: str, *, layers: int = 4, hidden: int = 64, seed: 
     rng = np.random.default_rng(seed)
     if family == "gemma3_text":
         cfg, t = _gemma3(vocab, eos, rng, layers=layers, hidden=hidden, window=window)
+    elif family == "qwen3_moe":
+        cfg, t = _qwen3_moe(vocab, eos, rng, layers=layers, hidden=hidden)
     else:
         cfg, t = _qwen_hybrid(family, vocab, eos, rng, layers=layers, hidden=hidden,
                               moe=family in ("qwen3_5_moe", "qwen3_next"))

@@ -122,7 +122,7 @@ def write_model(path: Path, family: str = "qwen3", *, layers: int = 4, hidden: i
     from safetensors.numpy import save_file
 
     if family not in ("qwen3", "llama"):
-        from family_fixtures import FAMILIES, write_family  # qwen3_5, qwen3_5_moe, qwen3_next, gemma3_text
+        from family_fixtures import FAMILIES, write_family  # qwen3_5(_moe), qwen3_next, gemma3_text, qwen3_moe
 
         if family not in FAMILIES:
             raise ValueError(family)

@@ -245,3 +245,26 @@ def test_quantized_targets_stay_lossless(name):
                       max_new_tokens=50, max_draft=5)
     assert res.tokens == base.tokens and res.text == base.text
     assert max(res.accept_lengths) > 1
+
+
+@pytest.mark.parametrize("quantize", [None, 4])
+def test_qwen3_moe_every_mode_lossless(quantize):
+    """The MoE path (SwitchGLU experts; 4-bit: quantized gather matmuls) on a dense-KV qwen3_moe:
+    lookup, DSpark, DFlash and partial accepts identical to baseline and to mlx-lm."""
+    path = write_family(_ROOT / f"qwen3_moe-{quantize}", "qwen3_moe", seed=2)
+    tgt, tok = md.load_target(str(path), dtype="float32", quantize=quantize)
+    assert tgt.rollback_kind == "trim"
+    view = text_view(path, _ROOT / f"qwen3_moe-{quantize}-view")
+    ds = load_drafter(str(write_deepspec(_ROOT / f"qwen3_moe-{quantize}-dspark", view)), tgt, bits=16)
+    df = load_drafter(str(write_zlab(_ROOT / f"qwen3_moe-{quantize}-dflash", view)), tgt, bits=16)
+    ids = md.encode_prompt(tok, "the fox def add hello world the fox")
+    base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=40)
+    assert base.tokens == independent_greedy(tgt, ids, 40, set(md.api.stop_token_ids(tgt, tok)))
+    runs = [md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=40),
+            md.generate(tgt, tok, None, prompt_ids=ids, mode="dspark", drafter=ds, max_new_tokens=40),
+            md.generate(tgt, tok, None, prompt_ids=ids, mode="dflash", drafter=df, max_new_tokens=40),
+            md.generate(tgt, tok, None, prompt_ids=ids, proposer=_ScriptedProposer(base.tokens + [0] * 64),
+                        max_new_tokens=40, max_draft=5)]
+    for r in runs:
+        assert r.tokens == base.tokens and r.text == base.text
+    assert max(runs[-1].accept_lengths) > 1
