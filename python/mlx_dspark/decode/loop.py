@@ -1,7 +1,8 @@
 """THE verify loop. One round = propose -> verify -> accept -> commit/rollback.
 
-Every mode runs through `run()`: baseline is a Proposer that never drafts, lookup, DSpark and
-DFlash are Proposers that do. Two kinds of round exist:
+Every mode runs through one `Generation` (stepped by generate(), stream_generate(), the server and
+`run()`): baseline is a Proposer that never drafts, lookup, DSpark and DFlash are Proposers that
+do. Two kinds of round exist:
 
   plain step  the pending token is fed alone; its successor is sampled lazily and the next step
               is enqueued before the pending token is read back (pipelined, like mlx-lm's
@@ -168,7 +169,6 @@ class Generation:
         self.pending_is_round = False
         self.prefilled = False
         self.done = False
-        self._t_decode = 0.0
 
     # ------------------------------------------------------------------ driving
     def __iter__(self):
