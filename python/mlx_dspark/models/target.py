@@ -144,6 +144,21 @@ class Target:
         return self._rollback_kind
 
     @staticmethod
+    def snapshot(cache: list) -> list | None:
+        """The cache's state as fresh, evaluated arrays (None for a layer kind it cannot copy):
+        what a checkpoint-mode prefix cache keeps at a prompt boundary (models/snapshot.py)."""
+        from . import snapshot
+
+        return snapshot.snapshot(cache)
+
+    @staticmethod
+    def restore(snap: list) -> list:
+        """A fresh cache holding a snapshot's state; it continues bitwise as the original would."""
+        from . import snapshot
+
+        return snapshot.restore(snap)
+
+    @staticmethod
     def cache_len(cache: list) -> int:
         for c in cache:
             if hasattr(c, "offset"):
