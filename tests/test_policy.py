@@ -148,3 +148,17 @@ def test_lookup_proposer_uses_the_policy_it_is_given():
     hist = [1, 2, 3, 4, 1, 2, 3]
     p.begin(None, hist, None)
     assert p.propose(hist, 16, None).tokens == []  # a linear curve: no round, even on a match
+
+
+def test_auto_mode_falls_back_to_lookup_where_only_the_drafter_cannot_pay(monkeypatch, capsys):
+    dear_drafter = Costs(FLAT.widths, FLAT.t_verify, t_draft=0.05, origin="given")  # 5 plain steps a pass
+    monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: dear_drafter)
+    pol._said.clear()
+    ws = workspace()
+    tgt, tok = target(ws["target_perm"])
+    d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
+    prompt = [int(t) for t in perm_chain(7, 6)]
+    base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=20)
+    res = generate(tgt, tok, None, prompt_ids=prompt, mode="auto", drafter=d, max_new_tokens=20, max_draft="auto")
+    assert res.mode == "lookup" and res.tokens == base.tokens and res.text == base.text
+    assert "the drafter cannot pay" in capsys.readouterr().err

@@ -14,7 +14,8 @@ draft vocabulary). A change in any of them measures again.
 `MLX_DSPARK_CALIBRATION`: auto (default: read from disk, else measure and store) | refresh
 (measure again, store) | off (no measurement: callers fall back to the fixed rules).
 
-Measurement: a context of CONTEXT tokens is prefilled once; each width w of `WIDTHS` is then fed
+Measurement (on a CPU the smaller of wall and CPU time: see `_Clock`): a context of CONTEXT tokens
+is prefilled once; each width w of `WIDTHS` is then fed
 on top of it and trimmed away (the minimum over a few calls: the machine may be shared). Widths
 go in doubling order and stop early when the budget is spent or when the curve is already linear
 (t(w) >= LINEAR * w * t(1): a wider verify cannot pay), so a slow machine (reference BLAS) is
@@ -140,6 +141,23 @@ def _path(key: dict) -> Path:
     return cache_dir() / f"{h}.json"
 
 
+class _Clock:
+    """Seconds of one call. CPU: the smaller of wall time and the process's CPU time: a busy
+    machine inflates wall time (being descheduled costs no CPU time) and a multi-threaded BLAS
+    inflates CPU time (threads add up), so the smaller one keeps the curve's ratios sound on a
+    shared machine. GPU: wall time (the host waits for the device)."""
+
+    def __init__(self):
+        self.cpu = mx.default_device() == mx.cpu
+
+    def __call__(self):
+        return (time.perf_counter(), time.process_time() if self.cpu else 0.0)
+
+    def since(self, t0) -> float:
+        wall, cpu = time.perf_counter() - t0[0], (time.process_time() - t0[1]) if self.cpu else float("inf")
+        return min(wall, cpu)
+
+
 def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = CONTEXT) -> Costs:
     """Measure t_verify(w) (with the drafter's taps, when there is one) and one drafter pass.
 
@@ -158,11 +176,13 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
     mx.eval([c.state for c in cache] + ([out.hidden] if out.hidden is not None else []))
     prompt_hidden = out.hidden[0] if out.hidden is not None else None
 
+    clock = _Clock()
+
     def verify(w: int) -> float:
-        t = time.perf_counter()
+        t = clock()
         o = target.forward(mx.array([draft_ids[:w]]), cache, taps=taps)
         mx.eval([o.logits] + ([o.hidden] if o.hidden is not None else []))
-        dt = time.perf_counter() - t
+        dt = clock.since(t)
         target.trim(cache, w)
         return dt
 
@@ -209,9 +229,10 @@ class _DraftTimer:
         self.best = float("inf")
 
     def time(self) -> None:
-        t = time.perf_counter()
+        clock = _Clock()
+        t = clock()
         d = self.prop.propose(self.history, self.drafter.block_drafts, None)
-        dt = time.perf_counter() - t
+        dt = clock.since(t)
         if self.calls:
             self.best = min(self.best, dt)
         self.calls += 1

@@ -319,9 +319,15 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
     if mode == "auto":
         why = plain_reason(c, max(cap, lookup_long_draft), drafter is not None)
         if why and drafter is not None and getattr(proposer, "lookup_drafts", False):
-            # lookup drafts are free: they may still pay where the drafter cannot
+            # lookup drafts are free: where the drafter cannot pay, lookup alone may
             if plain_reason(c, lookup_long_draft, False) is None:
-                why = None
+                from .lookup import LookupProposer
+
+                _say_once(f"the drafter cannot pay on this machine ({why.split('(', 1)[1].rstrip(')')}): "
+                          f"--mode auto runs lookup ({c.summary()})")
+                proposer = LookupProposer(long_draft=lookup_long_draft)
+                proposer.use_policy(CostPolicy(c, cap=lookup_long_draft))
+                return proposer, None
         if why:
             _say_once(f"{why}: --mode auto runs plain decoding ({c.summary()})")
             return Proposer(), None
