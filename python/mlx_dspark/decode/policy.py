@@ -317,7 +317,7 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
         return proposer, None  # MLX_DSPARK_CALIBRATION=off: the fixed rules
     cap = proposer.block_drafts if drafter is not None else lookup_long_draft
     if mode == "auto":
-        why = plain_reason(c, max(cap, lookup_long_draft), drafter is not None)
+        why = plain_reason(c, cap, drafter is not None)  # a drafter drafts at most its block
         if why and drafter is not None and getattr(proposer, "lookup_drafts", False):
             # lookup drafts are free: where the drafter cannot pay, lookup alone may
             if plain_reason(c, lookup_long_draft, False) is None:
