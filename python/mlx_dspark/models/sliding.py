@@ -170,6 +170,7 @@ class RewindableRotatingKVCache(RotatingKVCache):
             self._round = None
             return super().update_and_fetch(keys, values)
         layout = self._layout(S)
+        self.verify = False  # one forward (the mask was made from the same state, before this call)
         pre = (self.keys, self.values, self.offset, self._idx)
         if layout is None:  # a prefill (or a layout no single order holds): mlx-lm's wide path
             self._round = ("wide", pre, keys, values)
