@@ -86,6 +86,7 @@ def _arrays(out):
 
 def run_rounds(target, drafter, prompt, rounds: int) -> dict:
     from mlx_dspark.decode import accept, loop
+    from mlx_dspark.decode.modes import drafter_proposer
 
     st = Stages()
     d_fns = [st.wrap(drafter, "block_hidden", "drafter backbone", _arrays),
@@ -95,7 +96,7 @@ def run_rounds(target, drafter, prompt, rounds: int) -> dict:
                     _arrays)
     acc = accept.GreedyAcceptor.verify
     st.wrap(accept.GreedyAcceptor, "verify", "accept", lambda out: [])
-    p = drafter.proposer(lookup_drafts=False)
+    p = drafter_proposer(drafter, lookup_drafts=False)
     starts: list[float] = []
     propose = p.propose
 

@@ -17,6 +17,7 @@ import pytest
 from drafter_fixtures import target, workspace, write_deepspec, write_gemma4_target, write_zlab
 from fixtures import write_model
 from mlx_dspark.api import generate
+from mlx_dspark.decode.modes import drafter_proposer
 from mlx_dspark.errors import UserError
 from mlx_dspark.models import drafters as drafters_mod
 from mlx_dspark.models import registry
@@ -40,7 +41,7 @@ def test_packaging_detected(key, packaging, kind, style, drafts):
     tgt = target(ws["target_gemma4" if style == "gemma4" else "target_qwen3"])[0]
     d = load_drafter(str(ws[key]), tgt, bits=4)
     assert (d.packaging, d.kind, d.spec.style, d.block_drafts) == (packaging, kind, style, drafts)
-    assert d.proposer().block_drafts == drafts
+    assert drafter_proposer(d).block_drafts == drafts
 
 
 def test_zlab_config_variants(tmp_path):
@@ -175,7 +176,7 @@ def test_mode_and_kind_must_agree():
         resolve_drafter(_tq(), mode="dspark", drafter=None)
     assert resolve_drafter(_tq(), mode="auto", drafter=None) is None  # -> lookup
     with pytest.raises(UserError, match="needs a drafter with a confidence head"):
-        load_drafter(str(ws["dflash_zlab"]), _tq(), bits=16).proposer(confidence_threshold=0.5)
+        drafter_proposer(load_drafter(str(ws["dflash_zlab"]), _tq(), bits=16), confidence_threshold=0.5)
 
 
 # --------------------------------------------------------------------------- registry

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from drafter_fixtures import perm_chain, target, workspace
 from mlx_dspark.api import generate
+from mlx_dspark.decode.modes import drafter_proposer
 from mlx_dspark.models.checkpoints import DrafterSpec
 from mlx_dspark.models.drafters import load_drafter
 from mlx_dspark.pairs import dflash_generate
@@ -152,7 +153,7 @@ def test_context_cache_after_many_rounds(key, lookup):
     tgt, tok = target(ws[tkey])
     d = drafter(key, 16)
     prompt = _perm_prompt(seed=9) if key.startswith("perm") else [5, 9, 13, 5, 9, 13, 21, 40, 5, 9]
-    p = d.proposer(lookup_drafts=lookup)
+    p = drafter_proposer(d, lookup_drafts=lookup)
     n = 120
     res = generate(tgt, tok, None, prompt_ids=prompt, proposer=p, max_new_tokens=n)
     assert res.tokens == baseline(tkey, prompt, n)
@@ -232,7 +233,7 @@ def test_hybrid_lookup_rounds_keep_the_context_in_step():
     tgt, _ = target(ws["target_qwen3"])
     d = drafter("dspark_qwen3", 16)
     C = d.spec.backbone.context_dim
-    p = d.proposer(lookup_drafts=True)
+    p = drafter_proposer(d, lookup_drafts=True)
     history = [11, 12, 13, 11, 12, 13, 11, 12, 13, 11]
     p.begin(tgt, history[:-1], mx.zeros((len(history) - 1, C)))
     draft = p.propose(history, 7, None)

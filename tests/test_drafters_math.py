@@ -17,12 +17,13 @@ import pytest
 
 from drafter_fixtures import target, workspace
 from drafter_reference import MUTATIONS_GEMMA, Reference
+from mlx_dspark.decode.drafting import confident_prefix
+from mlx_dspark.decode.modes import drafter_proposer
 from mlx_dspark.decode.sampling import SamplingParams
 from mlx_dspark.errors import UserError
 from mlx_dspark.models.checkpoints import build_spec
 from mlx_dspark.models.drafter_backbone import ProportionalRoPE
 from mlx_dspark.models.drafters import load_drafter
-from mlx_dspark.models.dspark import confident_prefix
 
 CASES = {  # fixture -> its target
     "dspark_qwen3": "target_qwen3",
@@ -145,7 +146,7 @@ def test_proposer_truncates_at_first_unconfident_slot():
     for tau in sorted(set(np.round(sig, 6))) + [0.999]:
         tau = float(min(tau + 1e-4, 0.999))
         expect = next((j for j, c in enumerate(sig) if c < tau), len(sig))
-        p = d.proposer(confidence_threshold=tau, lookup_drafts=False)
+        p = drafter_proposer(d, confidence_threshold=tau, lookup_drafts=False)
         p.begin(tgt, history[:-1], mx.array(rows))
         assert len(p.propose(history, 7, None).tokens) == expect
         seen.add(expect)
@@ -160,7 +161,7 @@ def test_sampled_drafts_report_markov_corrected_q():
     d = load_drafter(str(ws["dspark_qwen3"]), tgt, bits=16)
     rows = np.random.default_rng(2).standard_normal((10, d.spec.backbone.context_dim)).astype(np.float32)
     history = list(range(50, 60)) + [7]
-    p = d.proposer(lookup_drafts=False)
+    p = drafter_proposer(d, lookup_drafts=False)
     p.begin(tgt, history[:-1], mx.array(rows))
     draft = p.propose(history, 7, SamplingParams(temperature=0.8, seed=3))
     q = np.array(draft.q)
@@ -180,7 +181,7 @@ def test_sampled_drafts_without_sampling_module(monkeypatch):
     ws = workspace()
     tgt, _ = target(ws["target_qwen3"])
     d = load_drafter(str(ws["dflash_zlab"]), tgt, bits=16)
-    p = d.proposer(lookup_drafts=False)
+    p = drafter_proposer(d, lookup_drafts=False)
     rows = np.zeros((4, d.spec.backbone.context_dim), np.float32)
     p.begin(tgt, [1, 2, 3, 4], mx.array(rows))
     with pytest.raises(UserError, match="lossless sampling"):

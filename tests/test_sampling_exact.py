@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 from mlx_dspark.decode import loop, sampled
 from mlx_dspark.decode.lookup import LookupProposer
+from mlx_dspark.decode.modes import drafter_proposer
 from mlx_dspark.decode.proposers import Draft, Proposer
 from mlx_dspark.decode.sampling import SamplingParams
 from mlx_dspark.models.loading import load_target
@@ -368,10 +369,10 @@ def e2e_setup(name, target16, drafters=None):
         "lookup": lambda s: LookupProposer(),
         "known-q": KnownQProposer,
         # Drafter-only proposals (no free lookup drafts), so every draft carries the drafter's q.
-        "dspark": lambda s: drafters["dspark"].proposer(lookup_drafts=False),
-        "dspark-conf": lambda s: drafters["dspark"].proposer(confidence_threshold=0.3, lookup_drafts=False),
-        "dflash": lambda s: drafters["dflash"].proposer(lookup_drafts=False),
-        "dspark-vocab": lambda s: drafters["dspark-vocab"].proposer(lookup_drafts=False),
+        "dspark": lambda s: drafter_proposer(drafters["dspark"], lookup_drafts=False),
+        "dspark-conf": lambda s: drafter_proposer(drafters["dspark"], confidence_threshold=0.3, lookup_drafts=False),
+        "dflash": lambda s: drafter_proposer(drafters["dflash"], lookup_drafts=False),
+        "dspark-vocab": lambda s: drafter_proposer(drafters["dspark-vocab"], lookup_drafts=False),
     }[kind]
     return make, prompt, cfg
 

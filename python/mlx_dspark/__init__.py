@@ -3,8 +3,7 @@
 Output is identical to plain decoding of the target (greedy), or an exact sample of it (T > 0).
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .api import GenerationResult, encode_prompt, generate, stream_generate  # noqa: E402
 from .decode.sampling import SamplingParams  # noqa: E402
 from .errors import UserError  # noqa: E402

@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .api import encode_prompt, generate, stop_token_ids
+from .machine import cpu_name
 
 COPY_PROMPT = (
     "Rewrite this function exactly, but rename the variable `total` to `acc`. Output only the code.\n\n"
@@ -78,19 +79,6 @@ def load_bench_target(model: str | None, dtype: str | None = None):
     model = model_or_demo(model)
     target, tok = load_target(model, dtype=dtype)
     return model, target, tok
-
-
-def cpu_name() -> str:
-    """The processor's model name (from /proc/cpuinfo on Linux), else the machine type."""
-    from pathlib import Path
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def device_stamp() -> str:
@@ -178,7 +166,7 @@ def precision(target) -> str:
 
 def stamp(target, drafter=None) -> dict:
     """Where a benchmark ran: enough to fold a shared JSON into the registry."""
-    from . import __version__
+    from ._version import __version__
     from .blas import active_blas
 
     cpu = mx.default_device() == mx.cpu

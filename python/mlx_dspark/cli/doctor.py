@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
 def collect() -> dict:
     import mlx.core as mx
 
-    from .. import __version__
+    from .._version import __version__
 
     info: dict = {"mlx_dspark": __version__, "python": sys.version.split()[0],
                   "platform": f"{platform.system()} {platform.machine()}", "mlx": mx.__version__}

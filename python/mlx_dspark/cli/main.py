@@ -39,7 +39,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="mlx-dspark", description="Lossless speculative decoding on MLX.")
-    from .. import __version__
+    from .._version import __version__
 
     parser.add_argument("--version", action="version", version=f"mlx-dspark {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

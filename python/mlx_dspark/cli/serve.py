@@ -53,7 +53,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from .. import __version__
+    from .._version import __version__
     from ..errors import UserError
     from ..serve import discovery
     from ..serve.engine import Engine

@@ -97,7 +97,7 @@ def cache_dir() -> Path:
 def device_name() -> str:
     dev = mx.default_device()
     if dev == mx.cpu:
-        from ..benchmark import cpu_name
+        from ..machine import cpu_name
 
         return f"cpu: {cpu_name()}; {os.cpu_count()} cores"
     try:
@@ -121,7 +121,7 @@ def _weights(model) -> tuple[str, list]:
 
 
 def key_for(target, drafter=None) -> dict:
-    from .. import __version__
+    from .._version import __version__
     from ..blas import active_blas
 
     dtypes, quant = _weights(target.model)
@@ -220,8 +220,10 @@ class _DraftTimer:
     """Times one drafter round: ingest one context row and draft a full block."""
 
     def __init__(self, drafter, target, ctx, prompt_hidden):
+        from .modes import drafter_proposer
+
         self.drafter = drafter
-        self.prop = drafter.proposer(lookup_drafts=False)
+        self.prop = drafter_proposer(drafter, lookup_drafts=False)
         self.prop.begin(target, ctx, prompt_hidden)
         self.history = list(ctx) + [1]  # the anchor: the first token after the prompt
         self.row = prompt_hidden[-1:]

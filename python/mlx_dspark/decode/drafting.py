@@ -34,7 +34,6 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..errors import UserError, option
-from ..models.dspark import confident_prefix
 from .lookup import NgramIndex
 from .policy import HYBRID_MIN_DEPTH, DraftPolicy, FixedPolicy
 from .proposers import Draft, Proposer
@@ -53,6 +52,23 @@ def _draft_sampler(sampling, n_prompt: int):
 
 def _lazy_argmax(sampling) -> bool:
     return sampling is None or (sampling.greedy and not sampling.has_penalties)
+
+
+def confident_prefix(conf_logits: list[float], threshold: float) -> int:
+    """Number of leading slots to keep: the index of the first slot whose confidence
+    sigmoid(s_j) is below `threshold` (all of them when none is, or when threshold <= 0)."""
+    if threshold <= 0:
+        return len(conf_logits)
+    for j, s in enumerate(conf_logits):
+        if 1.0 / (1.0 + _exp(-s)) < threshold:
+            return j
+    return len(conf_logits)
+
+
+def _exp(x: float) -> float:
+    import math
+
+    return math.exp(x) if x < 700 else math.inf
 
 
 class DrafterProposer(Proposer):

@@ -22,5 +22,14 @@ def make_proposer(mode: str, *, drafter=None, lookup_long_draft: int = 32, **dra
         return LookupProposer(long_draft=lookup_long_draft)
     if drafter is None:
         raise UserError(f"{option('mode', mode)} needs a drafter: pass {option('drafter')} REPO_OR_DIR "
-                        "(or use --mode auto, which falls back to lookup for targets without one)")
-    return drafter.proposer(**drafter_options)
+                        f"(or use {option('mode', 'auto')}, which falls back to lookup for targets without one)")
+    return drafter_proposer(drafter, **drafter_options)
+
+
+def drafter_proposer(drafter, *, confidence_threshold: float = 0.0, lookup_drafts: bool = True,
+                     **_others) -> Proposer:
+    """The Proposer that drafts with a loaded DSpark / DFlash drafter (options other proposers
+    take are ignored here)."""
+    from .drafting import DrafterProposer
+
+    return DrafterProposer(drafter, confidence_threshold=confidence_threshold, lookup_drafts=lookup_drafts)

@@ -106,11 +106,6 @@ class BlockDrafter:
             qs.append(q)
         return toks, qs, None
 
-    def proposer(self, confidence_threshold: float = 0.0, lookup_drafts: bool = True, **_ignored):
-        from ..decode.drafting import DrafterProposer
-
-        return DrafterProposer(self, confidence_threshold=confidence_threshold, lookup_drafts=lookup_drafts)
-
     def describe(self) -> dict:
         b = self.spec.backbone
         return {"kind": self.kind, "packaging": self.packaging, "style": self.spec.style, "source": self.source,

@@ -10,7 +10,8 @@ Per round, for the k draft slots (slot j predicts the token at anchor position +
       x_j = choose(z_j); prev = x_j
   s_j = proj([hidden_j ; W1[prev_j]]) + b      (prev_j = anchor for j = 0, else x_{j-1})
 
-Adaptive truncation follows DeepSpec's evaluator (`_confident_prefix_length`): with threshold
+Adaptive truncation (decode/drafting.py's confident_prefix) follows DeepSpec's evaluator
+(`_confident_prefix_length`): with threshold
 tau > 0 the proposal is cut at the FIRST j with sigmoid(s_j) < tau (a per-position test, not a
 cumulative product); 0 means a plain step. It only ever shortens the draft, so it cannot change
 the output.
@@ -64,23 +65,6 @@ class DSparkModel(Backbone):
             self.markov_head = MarkovHead(V, r)
         if spec.confidence:
             self.confidence_head = ConfidenceHead(H + (r if spec.confidence_with_markov else 0))
-
-
-def confident_prefix(conf_logits: list[float], threshold: float) -> int:
-    """Number of leading slots to keep: the index of the first slot whose confidence
-    sigmoid(s_j) is below `threshold` (all of them when none is, or when threshold <= 0)."""
-    if threshold <= 0:
-        return len(conf_logits)
-    for j, s in enumerate(conf_logits):
-        if 1.0 / (1.0 + _exp(-s)) < threshold:
-            return j
-    return len(conf_logits)
-
-
-def _exp(x: float) -> float:
-    import math
-
-    return math.exp(x) if x < 700 else math.inf
 
 
 class DSparkDrafter(BlockDrafter):
@@ -163,4 +147,4 @@ class DSparkDrafter(BlockDrafter):
         return toks, qs, conf
 
 
-__all__ = ["DSparkDrafter", "DSparkModel", "MarkovHead", "ConfidenceHead", "confident_prefix"]
+__all__ = ["DSparkDrafter", "DSparkModel", "MarkovHead", "ConfidenceHead"]

@@ -25,7 +25,7 @@ import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
-from .. import __version__
+from .._version import __version__
 from ..errors import UserError
 from . import anthropic, openai, responses
 from .bodies import BodyReader, ClientGone
