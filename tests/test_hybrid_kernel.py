@@ -29,19 +29,24 @@ def test_reference_is_mlx_lm_recurrence_bitwise():
     from mlx_lm.models import gated_delta
 
     x = inputs()
-    _, ref = gated_delta.gated_delta_update(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
-                                            x["state"], None, use_kernel=False)
+    y_ref, ref = gated_delta.gated_delta_update(x["q"], x["k"], x["v"], x["a"], x["b"], x["A_log"], x["dt_bias"],
+                                                x["state"], None, use_kernel=False)
     ours = gr.gdn_replay_reference(x["k"], x["v"], x["g"], x["beta"], x["state"])
     assert ours.shape == ref.shape == (1, 4, 16, 32)
     assert np.array_equal(np.array(ours), np.array(ref))
+    y, s = gr.gdn_recurrence_reference(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"])
+    assert np.array_equal(np.array(s), np.array(ref)) and np.array_equal(np.array(y), np.array(y_ref))
 
 
 def _instances():
     dts = [("float32", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16")]
     for kdt, bdt in dts:
-        ins = [(kdt, 4, 999), (kdt, 4, 999), ("float32", 3, 99), (bdt, 3, 99), ("float32", 4, 9999)]
-        yield f"metal_{kdt}", gs.metal_kernel_text(gr.metal_instance(), ins, ["float32"]), METAL_STUB
-        yield f"cuda_{kdt}", gs.cuda_kernel_text(gr.cuda_instance(), [(d, n) for d, n, _ in ins], ["float32"]), CUDA_STUB
+        for with_y in (True, False):
+            ins = [(kdt, 4, 999)] * 3 + [("float32", 3, 99), (bdt, 3, 99), ("float32", 4, 9999)]
+            tm = [("WITH_Y", with_y)]
+            yield f"metal_{kdt}_{with_y}", gs.metal_kernel_text(gr.metal_instance(), ins, ["float32"] * 2, tm), METAL_STUB
+            yield f"cuda_{kdt}_{with_y}", gs.cuda_kernel_text(gr.cuda_instance(), [(d, n) for d, n, _ in ins],
+                                                              ["float32"] * 2, tm), CUDA_STUB
 
 
 @pytest.mark.parametrize("label,src,stub", list(_instances()), ids=lambda x: x if isinstance(x, str) and len(x) < 30 else "")
@@ -55,8 +60,9 @@ def test_a_broken_body_fails_both_languages():
     for inst, stub, text in ((gr.metal_instance(), METAL_STUB, gs.metal_kernel_text),
                              (gr.cuda_instance(), CUDA_STUB, gs.cuda_kernel_text)):
         bad = gs.Instance(inst.name, inst.input_names, inst.output_names, inst.source, body)
-        ins = [("float32", 4, 999)] * 2 + [("float32", 3, 99)] * 2 + [("float32", 4, 9999)]
-        src = text(bad, ins if stub is METAL_STUB else [(d, n) for d, n, _ in ins], ["float32"])
+        ins = [("float32", 4, 999)] * 3 + [("float32", 3, 99)] * 2 + [("float32", 4, 9999)]
+        src = text(bad, ins if stub is METAL_STUB else [(d, n) for d, n, _ in ins], ["float32"] * 2,
+                   [("WITH_Y", True)])
         assert any("kk" in e for e in parse(src, stub, "broken"))
 
 
@@ -79,8 +85,12 @@ def test_kernel_parity_and_position_invariance(dtype, shape):
     for seed in range(3):
         x = inputs(seed=seed, T=7, dtype=dtype, **shape)
         got = gr.gdn_replay_gpu(x["k"], x["v"], x["g"], x["beta"], x["state"], lang=lang)
-        ref = gr.gdn_replay_reference(*(t.astype(mx.float32) for t in (x["k"], x["v"], x["g"], x["beta"])), x["state"])
+        f32 = [t.astype(mx.float32) for t in (x["q"], x["k"], x["v"], x["g"], x["beta"])]
+        y_ref, ref = gr.gdn_recurrence_reference(*f32, x["state"])
         assert np.allclose(np.array(got), np.array(ref), rtol=1e-4, atol=1e-5)
+        y, s2 = gr.gdn_recurrence_gpu(x["q"], x["k"], x["v"], x["g"], x["beta"], x["state"], lang=lang)
+        assert np.array_equal(np.array(s2), np.array(got))  # y does not change the state's arithmetic
+        assert np.allclose(np.array(y), np.array(y_ref), rtol=1e-4, atol=1e-5)
         s = x["state"]
         for t in range(7):  # one position at a time: bitwise the 7-position call
             sl = slice(t, t + 1)

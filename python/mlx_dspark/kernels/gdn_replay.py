@@ -3,7 +3,8 @@ reference.
 
 `gdn_replay(k, v, g, beta, state)` returns the recurrent state after T positions of mlx-lm's
 scalar-gated delta rule (the recurrence of qwen3_5 / qwen3_next's GDN layers; q is not needed
-for the state). The body (kernels/gpu/gdn_replay.h) is written once over ds_portable.h and
+for the state); `gdn_recurrence(q, k, v, g, beta, state)` also returns the outputs y [B, T, Hv,
+Dv] (float32), so one kernel can serve plain steps, verify rounds and the replay alike. The body (kernels/gpu/gdn_replay.h) is written once over ds_portable.h and
 instanced for CUDA (`mx.fast.cuda_kernel`) and Metal (`mx.fast.metal_kernel`); the reference is
 the same arithmetic as mlx-lm's `_gated_delta_step_ops` loop.
 
@@ -26,7 +27,7 @@ from .gpu_source import GPU_DIR, Instance
 
 THREADS = 64  # DS_GR_THREADS
 MAX_DK = 256  # DS_GR_MAX_DK
-INPUTS, OUTPUTS = ("k", "v", "g", "beta", "state"), ("out",)
+INPUTS, OUTPUTS = ("q", "k", "v", "g", "beta", "state"), ("out", "y")
 
 _CALL = """  const int B = state_shape[0];
   const int Hv = state_shape[1];
@@ -34,7 +35,7 @@ _CALL = """  const int B = state_shape[0];
   const int Dk = state_shape[3];
   const int T = k_shape[1];
   const int Hk = k_shape[2];
-  if (row < B * Hv * Dv) ds_gr_row(k, v, g, beta, state, out, T, Hk, Hv, Dk, Dv, row);
+  if (row < B * Hv * Dv) ds_gr_row<WITH_Y>(q, k, v, g, beta, state, out, y, T, Hk, Hv, Dk, Dv, row);
 """
 _CUDA_LAUNCH = "  const int row = (int)(blockIdx.x * blockDim.x + threadIdx.x);\n"
 _METAL_LAUNCH = "  const int row = (int)thread_position_in_grid.x;\n"
@@ -53,18 +54,29 @@ def metal_instance() -> Instance:
     return Instance("ds_gdn_replay", INPUTS, OUTPUTS, _METAL_LAUNCH + _CALL, _body())
 
 
-def gdn_replay_reference(k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array) -> mx.array:
-    """Pure MLX: the state after the T positions, mlx-lm's per-position ops in the same order."""
+def gdn_recurrence_reference(q: mx.array | None, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                             state: mx.array):
+    """Pure MLX: (y [B, T, Hv, Dv] or None without q, the state after the T positions), mlx-lm's
+    per-position ops in the same order (y in float32)."""
     Hk, Hv = k.shape[2], v.shape[2]
     if Hv // Hk > 1:
         k = mx.repeat(k, Hv // Hk, -2)
+        q = None if q is None else mx.repeat(q, Hv // Hk, -2)
+    ys = []
     for t in range(k.shape[1]):
         kt = k[:, t]
         state = state * g[:, t][..., None, None]
         kv_mem = (state * kt[..., None, :]).sum(axis=-1)
         delta = (v[:, t] - kv_mem) * beta[:, t][..., None]
         state = state + kt[..., None, :] * delta[..., None]
-    return state
+        if q is not None:
+            ys.append((state * q[:, t][..., None, :]).sum(axis=-1))
+    return (mx.stack(ys, axis=1) if q is not None else None), state
+
+
+def gdn_replay_reference(k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array) -> mx.array:
+    """Pure MLX: the state after the T positions, mlx-lm's per-position ops in the same order."""
+    return gdn_recurrence_reference(None, k, v, g, beta, state)[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,14 +92,24 @@ def supported(k: mx.array, v: mx.array, state: mx.array) -> bool:
             and state.dtype == mx.float32 and v.shape[2] % k.shape[2] == 0)
 
 
-def gdn_replay_gpu(k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
-                   lang: str = "cuda") -> mx.array:
+def gdn_recurrence_gpu(q: mx.array | None, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                       state: mx.array, lang: str = "cuda"):
+    """(y [B, T, Hv, Dv] float32 or None without q, the new state), one launch."""
     B, Hv, Dv, Dk = state.shape
+    T = k.shape[1]
     rows = B * Hv * Dv
     grid = -(-rows // THREADS) * THREADS
-    (out,) = _kernel(lang)(inputs=[k, v, g, beta, state], grid=(grid, 1, 1), threadgroup=(THREADS, 1, 1),
-                           output_shapes=[state.shape], output_dtypes=[mx.float32])
-    return out
+    with_y = q is not None
+    out, y = _kernel(lang)(inputs=[q if with_y else k, k, v, g, beta, state], template=[("WITH_Y", with_y)],
+                           grid=(grid, 1, 1), threadgroup=(THREADS, 1, 1),
+                           output_shapes=[state.shape, (B, T, Hv, Dv) if with_y else (1,)],
+                           output_dtypes=[mx.float32, mx.float32])
+    return (y if with_y else None), out
+
+
+def gdn_replay_gpu(k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
+                   lang: str = "cuda") -> mx.array:
+    return gdn_recurrence_gpu(None, k, v, g, beta, state, lang=lang)[1]
 
 
 def replay_path() -> str:
