@@ -12,11 +12,14 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from fixtures import add_layer_tensors
+from mlx_dspark.decode.sampled import sample_from
 
 VOCAB = 16
+RESIDUAL_EPS = 1e-8  # residual mass below this: the bonus comes from p_a
 
 
 def write_tokenizer16(path: Path) -> None:
@@ -205,3 +208,43 @@ def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
         return 1.0
     stat = float(((obs - e) ** 2 / e).sum())
     return chi2_sf(stat, len(e) - 1)
+
+
+def float_cdf_accept(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array,
+                     u_bonus: mx.array) -> tuple[mx.array, mx.array]:
+    """Speculative-sampling accept, batched, the rule stated with a float CDF (a second statement
+    of what kernels.sampling_accept does with an integer one). p [B, w, V], q [B, w-1, V] or None
+    (one-hot drafts), draft [B, w-1] int32, u [B, w-1], u_bonus [B] -> (accepted [B], bonus [B])."""
+    B, w, V = p.shape
+    k = w - 1
+    p = p.astype(mx.float32)
+    draft = draft.astype(mx.int32).reshape(B, k)
+    if k > 0:
+        pd = mx.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]
+        qd = mx.ones_like(pd) if q is None else mx.take_along_axis(q.astype(mx.float32), draft[..., None], axis=-1)[..., 0]
+        ok = (u.astype(mx.float32).reshape(B, k) * qd < pd).astype(mx.int32)
+        accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1).astype(mx.int32)
+    else:
+        accepted = mx.zeros((B,), dtype=mx.int32)
+    return accepted, float_cdf_residual(p, q, draft, accepted, u_bonus)
+
+
+def float_cdf_residual(p: mx.array, q: mx.array | None, draft: mx.array, accepted: mx.array,
+                       u_bonus: mx.array) -> mx.array:
+    """The token after `accepted` drafts: from normalize(max(p_a - q_a, 0)) (p_a when that mass
+    is <= 1e-8), or from p_k when all k were accepted. Shapes as in float_cdf_accept."""
+    B, w, V = p.shape
+    p = p.astype(mx.float32)
+    draft = draft.astype(mx.int32).reshape(B, w - 1)
+    pa = mx.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+    if q is None:  # one-hot of the rejected draft; nothing after the last draft
+        pad = mx.concatenate([draft, mx.full((B, 1), -1, dtype=mx.int32)], axis=1)
+        da = mx.take_along_axis(pad, accepted[:, None], axis=1)  # [B, 1]
+        qa = (mx.arange(V)[None] == da).astype(mx.float32)
+    else:
+        qpad = mx.concatenate([q.astype(mx.float32), mx.zeros((B, 1, V), mx.float32)], axis=1)
+        qa = mx.take_along_axis(qpad, accepted[:, None, None], axis=1)[:, 0]
+    resid = mx.maximum(pa - qa, 0.0)
+    mass = mx.sum(resid, axis=-1, keepdims=True)
+    dist = mx.where(mass > RESIDUAL_EPS, resid, pa)
+    return sample_from(dist, u_bonus.astype(mx.float32).reshape(B))

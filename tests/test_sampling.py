@@ -23,11 +23,10 @@ from mlx_dspark.decode.sampled import (
     SampledAcceptor,
     process_logits,
     sample_from,
-    sampling_accept_reference,
 )
 from mlx_dspark.decode.sampling import SamplingParams
 from mlx_dspark.errors import UserError
-from sampling_fixtures import VOCAB, np_process, write_model16
+from sampling_fixtures import VOCAB, float_cdf_accept, np_process, write_model16
 
 SP = SamplingParams
 
@@ -181,7 +180,7 @@ def random_accept_inputs(rng, B, w, V, with_q):
 @pytest.mark.parametrize("with_q", [True, False])
 def test_accept_reference_matches_the_numpy_rule_and_the_kernel(with_q):
     rng = np.random.default_rng(2)
-    impls = [sampling_accept_reference]
+    impls = [float_cdf_accept]
     for mod in (kernels, getattr(kernels, "reference", None)):
         fn = getattr(mod, "sampling_accept", None) or getattr(mod, "sampling_accept_reference", None)
         if fn is not None and fn not in impls:
@@ -197,15 +196,15 @@ def test_accept_reference_matches_the_numpy_rule_and_the_kernel(with_q):
 def test_accept_rule_edge_cases():
     p = mx.array([[[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]])
     # q puts all its mass on the draft, p agrees: always accepted; bonus from p_1.
-    acc, bonus = sampling_accept_reference(p, mx.array([[[0.0, 1.0, 0.0]]]), mx.array([[1]]),
+    acc, bonus = float_cdf_accept(p, mx.array([[[0.0, 1.0, 0.0]]]), mx.array([[1]]),
                                            mx.array([[0.999]]), mx.array([0.9]))
     assert (int(acc[0]), int(bonus[0])) == (1, 1)
     # Draft outside p's support: rejected whatever u; residual = p_0.
-    acc, bonus = sampling_accept_reference(p, None, mx.array([[2]]), mx.array([[0.0]]), mx.array([0.3]))
+    acc, bonus = float_cdf_accept(p, None, mx.array([[2]]), mx.array([[0.0]]), mx.array([0.3]))
     assert (int(acc[0]), int(bonus[0])) == (0, 1)
     # Residual mass 0 (q >= p everywhere, as an unnormalized or rounded q can be): falls back to p_a.
     p2 = mx.array([[[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]])
-    acc, bonus = sampling_accept_reference(p2, mx.array([[[1.0, 1.0, 0.0]]]), mx.array([[0]]),
+    acc, bonus = float_cdf_accept(p2, mx.array([[[1.0, 1.0, 0.0]]]), mx.array([[0]]),
                                            mx.array([[0.999]]), mx.array([0.7]))
     assert int(acc[0]) == 0 and int(bonus[0]) == 1
 
@@ -220,7 +219,7 @@ def test_verify_rows_use_history_plus_earlier_drafts(monkeypatch, host):
 
     def spy(p, q, d, u, ub):
         seen["p"] = np.array(p[0])
-        return sampling_accept_reference(p, q, d, u, ub)
+        return float_cdf_accept(p, q, d, u, ub)
 
     monkeypatch.setattr(sampled, "sampling_accept", spy)
     rng = np.random.default_rng(3)

@@ -37,6 +37,8 @@ from sampling_fixtures import (
     chi2_sf,
     ctx_offsets,
     exact_logits,
+    float_cdf_accept,
+    float_cdf_residual,
     gof_pvalue,
     processed_table,
     write_model16,
@@ -68,12 +70,12 @@ def mutant_accept_p_ge_q(p, q, draft, u, u_bonus):
     pd = mx.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]
     qd = mx.ones_like(pd) if q is None else mx.take_along_axis(q, draft[..., None], axis=-1)[..., 0]
     acc = mx.sum(mx.cumprod((pd >= qd).astype(mx.int32), axis=1), axis=1).astype(mx.int32)
-    return acc, sampled.residual_bonus(p, q, draft, acc, u_bonus)
+    return acc, float_cdf_residual(p, q, draft, acc, u_bonus)
 
 
 def mutant_accept_resample_p(p, q, draft, u, u_bonus):
     """BROKEN on purpose: on rejection draws the next token from p instead of the residual."""
-    acc, _ = sampled.sampling_accept_reference(p, q, draft, u, u_bonus)
+    acc, _ = float_cdf_accept(p, q, draft, u, u_bonus)
     pa = mx.take_along_axis(p, acc[:, None, None], axis=1)[:, 0]
     return acc, sampled.sample_from(pa, u_bonus)
 

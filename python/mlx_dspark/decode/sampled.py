@@ -36,8 +36,8 @@ accept d_j iff u_j * q_j(d_j) < p_j(d_j); stop at the first rejection a; the nex
 from normalize(max(p_a - q_a, 0)) (p_a when that mass <= 1e-8), or from p_k when all k were
 accepted. Draws are inverse-CDF with float32 uniforms. The verify uses `kernels.sampling_accept`
 (native or its pure-MLX reference; its bonus draw uses an integer CDF, exact to 2^-40 per
-probability); `sampling_accept_reference` below states the same rule with a float CDF and is
-the fallback when the kernels package lacks it (tests check all of them against a numpy rule).
+probability); the tests state the same rule again with a float CDF and in numpy, and check
+every path against both.
 This is exact for ANY q, provided each d_j was really drawn from the q_j reported (conditioned
 on the history and d_1..d_{j-1}) and from randomness independent of the acceptor's. A proposer
 may cut its draft short on anything known before d_j is drawn (DSpark's confidence of slot j
@@ -82,7 +82,6 @@ from .. import kernels
 from .proposers import Draft
 from .sampling import SamplingParams, raw_logprobs
 
-RESIDUAL_EPS = 1e-8
 _STREAMS = {"accept": 0, "draft": 1}
 
 
@@ -284,49 +283,10 @@ class DraftSampler:
 
 
 # ---------------------------------------------------------------------------- acceptance
-def sampling_accept_reference(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array,
-                              u_bonus: mx.array) -> tuple[mx.array, mx.array]:
-    """Speculative-sampling accept, batched. p [B, w, V], q [B, w-1, V] or None (one-hot drafts),
-    draft [B, w-1] int32, u [B, w-1], u_bonus [B] -> (accepted [B] int32, bonus [B] int32)."""
-    B, w, V = p.shape
-    k = w - 1
-    p = p.astype(mx.float32)
-    draft = draft.astype(mx.int32).reshape(B, k)
-    if k > 0:
-        pd = mx.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]
-        qd = mx.ones_like(pd) if q is None else mx.take_along_axis(q.astype(mx.float32), draft[..., None], axis=-1)[..., 0]
-        ok = (u.astype(mx.float32).reshape(B, k) * qd < pd).astype(mx.int32)
-        accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1).astype(mx.int32)
-    else:
-        accepted = mx.zeros((B,), dtype=mx.int32)
-    return accepted, residual_bonus(p, q, draft, accepted, u_bonus)
-
-
-def residual_bonus(p: mx.array, q: mx.array | None, draft: mx.array, accepted: mx.array,
-                   u_bonus: mx.array) -> mx.array:
-    """The token after `accepted` drafts: from normalize(max(p_a - q_a, 0)) (p_a when that mass
-    is <= 1e-8), or from p_k when all k were accepted. Shapes as in sampling_accept_reference."""
-    B, w, V = p.shape
-    p = p.astype(mx.float32)
-    draft = draft.astype(mx.int32).reshape(B, w - 1)
-    pa = mx.take_along_axis(p, accepted[:, None, None], axis=1)[:, 0]  # [B, V]
-    if q is None:  # one-hot of the rejected draft; nothing after the last draft
-        pad = mx.concatenate([draft, mx.full((B, 1), -1, dtype=mx.int32)], axis=1)
-        da = mx.take_along_axis(pad, accepted[:, None], axis=1)  # [B, 1]
-        qa = (mx.arange(V)[None] == da).astype(mx.float32)
-    else:
-        qpad = mx.concatenate([q.astype(mx.float32), mx.zeros((B, 1, V), mx.float32)], axis=1)
-        qa = mx.take_along_axis(qpad, accepted[:, None, None], axis=1)[:, 0]
-    resid = mx.maximum(pa - qa, 0.0)
-    mass = mx.sum(resid, axis=-1, keepdims=True)
-    dist = mx.where(mass > RESIDUAL_EPS, resid, pa)
-    return sample_from(dist, u_bonus.astype(mx.float32).reshape(B))
-
-
 def sampling_accept(p, q, draft, u, u_bonus):
-    """The native kernel when the kernels package has one, else the reference."""
-    fn = getattr(kernels, "sampling_accept", None) or sampling_accept_reference
-    return fn(p, q, draft, u, u_bonus)
+    """The accept kernel (kernels.sampling_accept: native where built, else its pure-MLX
+    reference, kernels/reference.py, which defines the semantics)."""
+    return kernels.sampling_accept(p, q, draft, u, u_bonus)
 
 
 class SampledAcceptor:
