@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests never touch the user's cache. The demo GGUF, where the user has one, is read in place
 # (by path); everything the tests convert or write goes into a temporary cache, subprocesses too.
 from mlx_dspark.models import demo as _demo  # noqa: E402
-from mlx_dspark.models.gguf import cache_root as _cache_root  # noqa: E402
+from mlx_dspark.paths import cache_root as _cache_root  # noqa: E402
 
 USER_CACHE = _cache_root()
 _found = _demo.find_demo_gguf()

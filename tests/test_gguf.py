@@ -22,7 +22,7 @@ from gguf.quants import dequantize, quantize
 
 from mlx_dspark.errors import UserError
 from mlx_dspark.models import gguf as G
-from mlx_dspark.models import gguf_quant as gq
+from mlx_dspark.models.gguf import quant as gq
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 2
 HEAD_DIM = HIDDEN // HEADS

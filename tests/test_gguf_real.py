@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from mlx_dspark.models.demo import find_demo_gguf
-from mlx_dspark.models.gguf_reader import GGUFFile
+from mlx_dspark.models.gguf.reader import GGUFFile
 
 _DEMO = find_demo_gguf()  # before any test points MLX_DSPARK_CACHE elsewhere
 N_GREEDY, N_LOGITS = 32, 64

@@ -86,7 +86,7 @@ def gfortran_dir() -> str | None:
     libs = sorted(libdir.glob("libgfortran-*.so.5*"))
     if not libs:
         return None
-    from .models.gguf import cache_root
+    from .paths import cache_root
 
     d = cache_root() / "blas"
     # its own dependencies (libquadmath-<hash>) are found through $ORIGIN: the link's folder

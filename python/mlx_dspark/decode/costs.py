@@ -89,7 +89,7 @@ def mode() -> str:
 
 
 def cache_dir() -> Path:
-    from ..models.gguf import cache_root
+    from ..paths import cache_root
 
     return cache_root() / "calibration"
 

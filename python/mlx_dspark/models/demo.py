@@ -38,7 +38,7 @@ def how_to_get() -> str:
 
 
 def _cache_file() -> Path:
-    from .gguf import cache_root
+    from ..paths import cache_root
 
     return cache_root() / "demo" / GGUF_NAME
 

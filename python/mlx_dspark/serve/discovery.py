@@ -5,7 +5,7 @@ when it exits. The directory is private to the user (0700) and each file is 0600
 
   $XDG_RUNTIME_DIR/mlx-dspark/     (Linux: a per-user tmpfs, emptied at logout)
   $TMPDIR/mlx-dspark/              (macOS: the per-user temporary folder)
-  ~/.cache/mlx-dspark/servers/     (elsewhere)
+  $MLX_DSPARK_CACHE/servers/       (elsewhere; default ~/.cache/mlx-dspark/servers/)
 
 The API key is stored in the file so the launcher can pass it on. That exposes it to nothing new:
 any process of the same user can already read the server's environment and command line (and
@@ -29,7 +29,9 @@ def discovery_dir() -> Path:
     tmp = os.environ.get("TMPDIR")
     if sys.platform == "darwin" and tmp and Path(tmp).is_dir():
         return Path(tmp) / "mlx-dspark"
-    return Path.home() / ".cache" / "mlx-dspark" / "servers"
+    from ..paths import cache_root
+
+    return cache_root() / "servers"
 
 
 def _private_dir(d: Path) -> Path:

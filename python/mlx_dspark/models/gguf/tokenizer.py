@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import UserError
+from ...errors import UserError
 
 
 def _converter():

@@ -3,7 +3,7 @@
 Two families: `llama` (SmolLM2, Llama, Mistral-style GGUFs) and `gemma3` (Gemma 3 text).
 Quirks of llama.cpp's converter that are undone here:
   * llama: Q and K projection rows are permuted per head for llama.cpp's adjacent-pair RoPE
-    (`permute` below; undone in gguf_quant.permute_rows), so the folder holds HF's layout and
+    (`permute` below; undone in quant.permute_rows), so the folder holds HF's layout and
     mlx-lm's standard (rotate-half) RoPE applies.
   * gemma3: every RMSNorm weight is stored as (1 + w), since llama.cpp multiplies by the weight
     while Gemma multiplies by (1 + w); mlx-lm's Gemma adds the 1 itself, so 1 is subtracted.
@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import UserError
+from ...errors import UserError
 
 SUPPORTED_ARCHS = ("llama", "gemma3")
 

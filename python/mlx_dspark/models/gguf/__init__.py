@@ -26,11 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError, option
-from . import gguf_arch as archs
-from . import gguf_quant as gq
-from .gguf_reader import GGUFFile
-from .gguf_tokenizer import write_tokenizer
+from ...errors import UserError, option
+from ...paths import cache_root
+from . import arch as archs
+from . import quant as gq
+from .reader import GGUFFile
+from .tokenizer import write_tokenizer
 
 CONVERTER_VERSION = 1  # bump when the converted layout changes: old cache entries are then ignored
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -191,15 +192,6 @@ def _type_counts(reader) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------ cache
-def cache_root() -> Path:
-    """$MLX_DSPARK_CACHE, else $XDG_CACHE_HOME/mlx-dspark, else ~/.cache/mlx-dspark."""
-    env = os.environ.get("MLX_DSPARK_CACHE")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mlx-dspark"
-
-
 def _atomic_write_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
