@@ -193,3 +193,16 @@ def test_prefill_reports_progress_and_a_prefix_hit_starts_past_it(targets, monke
                         max_new_tokens=4, prefix_cache=pc, on_prefill=lambda done, total: seen.append((done, total)))
     assert again.cached_tokens == n + len(res.tokens) - 1 and seen[0] == (again.cached_tokens, n + len(res.tokens) + 9)
     assert seen[-1][0] == n + len(res.tokens) + 8
+
+
+def test_a_second_target_over_the_same_model_records_its_taps(targets):
+    """Decoder layers tapped once keep their recorder, which a second Target over the same model
+    shares (it used to get a recorder of its own that the layers never filled)."""
+    from mlx_dspark.models.target import Target
+
+    first, _ = targets[("llama", 3.0)]
+    second = Target(first.model, first.tokenizer, first.config, name="again")
+    ids = mx.array([[5, 6, 7]], dtype=mx.int32)
+    out = second.forward(ids, second.make_cache(), taps=(0, 1))
+    ref = first.forward(ids, first.make_cache(), taps=(0, 1))
+    assert out.hidden is not None and bool(mx.array_equal(out.hidden, ref.hidden).item())

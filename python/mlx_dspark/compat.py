@@ -24,6 +24,33 @@ def fresh_detokenizer(tokenizer, keep_leading_space: bool = False):
     return d
 
 
+def tap_decoder_layers(layers, recorder):
+    """Record what each decoder layer returns, for drafters' taps, without wrapping modules.
+
+    mlx-lm (0.32.x) decoder layers are plain nn.Modules whose __call__ returns the hidden state
+    (or (h, extra) in some families). Each layer instance gets a subclass whose __call__ stores
+    that output in `recorder.outputs[index]` while its index is in `recorder.active`; the
+    parameter tree is untouched, so quantization, saving and mlx-lm's own forward still work.
+    Returns the recorder the layers report to: layers tapped before (a second Target over the
+    same model) keep theirs, which the new Target then shares."""
+    if layers and getattr(type(layers[0]), "_mlx_dspark_tapped", False):
+        return layers[0]._mlx_dspark_recorder
+    for index, layer in enumerate(layers):
+        base = type(layer)
+
+        def tapped_call(self, *args, __base=base, **kwargs):
+            out = __base.__call__(self, *args, **kwargs)
+            rec = self._mlx_dspark_recorder
+            if self._mlx_dspark_index in rec.active:
+                rec.outputs[self._mlx_dspark_index] = out[0] if isinstance(out, tuple) else out
+            return out
+
+        layer.__class__ = type(base.__name__, (base,), {"__call__": tapped_call, "_mlx_dspark_tapped": True})
+        object.__setattr__(layer, "_mlx_dspark_recorder", recorder)
+        object.__setattr__(layer, "_mlx_dspark_index", index)
+    return recorder
+
+
 _sdpa_original = None
 
 

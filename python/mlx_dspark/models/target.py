@@ -7,8 +7,8 @@ The verify loop and the drafters never touch a model family directly. They ask a
   * embed tokens and apply the output head (drafters that bind the target's matrices).
 
 Taps are recorded by giving each decoder-layer instance a subclass whose __call__ stores its
-output when a recording is active. The parameter tree is untouched (no wrapper modules), so
-quantization, saving and mlx-lm's own forward keep working on the same object.
+output when a recording is active (compat.tap_decoder_layers). The parameter tree is untouched
+(no wrapper modules), so quantization, saving and mlx-lm's own forward keep working on it.
 
 `probe()` runs once at load: it checks that the tapped forward reproduces the model's own
 forward, that the fast last-row head matches, and that trim + re-forward reproduces the
@@ -24,7 +24,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import UserError
+from ..compat import tap_decoder_layers
+from ..errors import UserError, option
 from . import invariance, sliding
 
 
@@ -40,26 +41,6 @@ class _TapRecorder:
     def __init__(self):
         self.active: set[int] = set()
         self.outputs: dict[int, mx.array] = {}
-
-
-def _install_taps(layers: Sequence[nn.Module], recorder: _TapRecorder) -> None:
-    for index, layer in enumerate(layers):
-        base = type(layer)
-        if getattr(base, "_mlx_dspark_tapped", False):
-            continue
-
-        def tapped_call(self, *args, __base=base, **kwargs):
-            out = __base.__call__(self, *args, **kwargs)
-            rec = self._mlx_dspark_recorder
-            if self._mlx_dspark_index in rec.active:
-                # Some families return (h, extra); the hidden state is the first item.
-                rec.outputs[self._mlx_dspark_index] = out[0] if isinstance(out, tuple) else out
-            return out
-
-        sub = type(base.__name__, (base,), {"__call__": tapped_call, "_mlx_dspark_tapped": True})
-        layer.__class__ = sub
-        object.__setattr__(layer, "_mlx_dspark_recorder", recorder)
-        object.__setattr__(layer, "_mlx_dspark_index", index)
 
 
 def _text_config(config: dict) -> dict:
@@ -89,10 +70,9 @@ class Target:
             head_dim = int(tc.get("head_dim") or self.hidden_size // max(int(tc.get("num_attention_heads", 1)), 1))
             fits = [g for g in (kv_group_size, 64, 32) if head_dim % g == 0]
             if not fits:
-                raise UserError(f"--kv-bits needs a head dimension divisible by 32; this model's is {head_dim}")
+                raise UserError(f"{option('kv-bits')} needs a head dimension divisible by 32; this model's is {head_dim}")
             self.kv_group_size = fits[0]
-        self._recorder = _TapRecorder()
-        _install_taps(self.layers, self._recorder)
+        self._recorder = tap_decoder_layers(self.layers, _TapRecorder())
         # Multimodal wrappers (gemma3, gemma4) hold the text model as `language_model`.
         self._lm = getattr(model, "language_model", None) or model
         self._inner = getattr(self._lm, "model", None)
