@@ -5,8 +5,8 @@ the target computes `x @ dequantize(W).T (+ bias)` for inputs of at least `min_r
 weight is dequantized once per forward and the product runs as a dense GEMM (cuBLAS / Metal
 steel / BLAS) instead of the quantized matmul. Narrow inputs (decode, verify) keep the quantized
 kernel. The switch is per instance (the instance's class is swapped for a subclass while a
-prefill runs) and per thread (a verify on another thread never takes the dense path); no MLX or
-mlx-lm code is patched.
+prefill runs: compat.retype_modules) and per thread (a verify on another thread never takes the
+dense path).
 
 Numerics (tests/test_kernels_wide_gemm.py, tests/test_kernels_cuda.py, bench/results/):
   * CUDA (H200, bf16, Qwen3-4B projections): bit-identical to mx.quantized_matmul at 512 and
@@ -32,6 +32,8 @@ import threading
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..compat import retype_modules
 
 DEFAULT_MIN_ROWS = {"cpu": 16, "gpu": 512}  # measured crossovers (see the docstring)
 _tls = threading.local()
@@ -108,8 +110,7 @@ def prefill_context(target, width: int, cfg: dict | None = None):
         count, layers = _swapped.get(key, (0, None))
         if layers is None:
             layers = _quantized_linears(model)
-            for m in layers:
-                m.__class__ = WideQuantizedLinear
+            retype_modules(layers, WideQuantizedLinear)
         _swapped[key] = (count + 1, layers)
     _tls.cfg = cfg
     try:
@@ -119,8 +120,7 @@ def prefill_context(target, width: int, cfg: dict | None = None):
         with _lock:
             count, layers = _swapped[key]
             if count == 1:
-                for m in layers:
-                    m.__class__ = nn.QuantizedLinear
+                retype_modules(layers, nn.QuantizedLinear)
                 del _swapped[key]
             else:
                 _swapped[key] = (count - 1, layers)
