@@ -88,3 +88,33 @@ def route_causal_attention_to_invariant_op() -> None:
 
     _sdpa_original = original
     mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def mlx_lm_tool_call(syntax: str, text: str, tools):
+    """Parse one tool call with mlx-lm's own parser for `syntax` ("qwen3_coder": the XML
+    <function=...> form; "gemma4"). mlx-lm (0.32.x) exposes these as
+    mlx_lm.tool_parsers.<name>.parse_tool_call(text, tools), returning a dict (or a list of
+    them) with "name" and "arguments"."""
+    import importlib
+
+    return importlib.import_module(f"mlx_lm.tool_parsers.{syntax}").parse_tool_call(text, tools)
+
+
+def compile_before_threads(tokenizer) -> None:
+    """Import what requests would import lazily, and compile the chat template, before any
+    request thread runs: compiling Python code in two threads at once trips a CPython bug
+    ("SystemError: AST constructor recursion depth mismatch", gh-106905; seen on 3.11.7)."""
+    import importlib
+
+    for name in ("mlx_dspark.decode.sampled", "mlx_lm.tool_parsers.qwen3_coder", "mlx_lm.tool_parsers.gemma4"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if getattr(tokenizer, "chat_template", None) is not None:
+        try:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                          add_generation_prompt=True)
+        except Exception:  # a template that needs more than this; requests will say why
+            pass
+

@@ -11,7 +11,7 @@ incrementally (the same code serves streaming and non-streaming answers). Tool s
   Gemma 4       <|tool_call>call:f{key:<|"|>v<|"|>}<tool_call|>
   the tokenizer's own parser, when mlx-lm inferred one for this model (GLM, Kimi, Mistral, ...)
 
-The XML and Gemma payloads are parsed by mlx-lm's parsers (mlx_lm/tool_parsers).
+The XML and Gemma payloads are parsed by mlx-lm's parsers (mlx_lm/tool_parsers, through compat.py).
 Reasoning markers: <think>...</think> and Gemma's <|channel>thought...<channel|>.
 """
 
@@ -271,7 +271,7 @@ def _hermes(inner: str, tools) -> list[ToolCall]:
 
 
 def _xml(inner: str, tools) -> list[ToolCall]:
-    from mlx_lm.tool_parsers import qwen3_coder
+    from ..compat import mlx_lm_tool_call
 
     out = []
     for part in inner.split("</function>"):
@@ -280,7 +280,7 @@ def _xml(inner: str, tools) -> list[ToolCall]:
                 raise ValueError("text between XML function calls")
             continue
         body = part[part.index("<function="):] + "</function>"
-        got = qwen3_coder.parse_tool_call(body, tools)
+        got = mlx_lm_tool_call("qwen3_coder", body, tools)
         out.append(ToolCall(got["name"], _as_object(got["arguments"])))
     if not out:
         raise ValueError("no function in the XML tool call")
@@ -288,9 +288,9 @@ def _xml(inner: str, tools) -> list[ToolCall]:
 
 
 def _gemma(inner: str, tools) -> list[ToolCall]:
-    from mlx_lm.tool_parsers import gemma4
+    from ..compat import mlx_lm_tool_call
 
-    got = gemma4.parse_tool_call(inner, tools)
+    got = mlx_lm_tool_call("gemma4", inner, tools)
     return [ToolCall(g["name"], _as_object(g["arguments"])) for g in (got if isinstance(got, list) else [got])]
 
 

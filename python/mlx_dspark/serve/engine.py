@@ -148,22 +148,10 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     def prepare(self) -> None:
-        """Import what requests would import lazily, and compile the chat template, before any
-        request thread runs. Compiling Python code in two threads at once can trip a CPython bug
-        ("SystemError: AST constructor recursion depth mismatch", gh-106905; seen on 3.11.7)."""
-        import importlib
+        """What must happen before request threads run (compat.compile_before_threads)."""
+        from ..compat import compile_before_threads
 
-        for name in ("mlx_dspark.decode.sampled", "mlx_lm.tool_parsers.qwen3_coder", "mlx_lm.tool_parsers.gemma4"):
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                pass
-        if getattr(self.tokenizer, "chat_template", None) is not None:
-            try:
-                self.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                                   add_generation_prompt=True)
-            except Exception:  # a template that needs more than this; requests will say why
-                pass
+        compile_before_threads(self.tokenizer)
 
     def start(self) -> "Engine":
         if self._thread is None:
