@@ -82,3 +82,16 @@ def test_doctor_blas_report_is_one_consistent_answer():
     assert r["in_use"] == blas.active_blas()["name"] and r["gemm_gflops"] > 0
     slow = "reference BLAS (slow)" in r["note"]
     assert slow == (not r["fast"]) and wide_gemm.policy()["enabled"] == r["fast"]
+
+
+def test_without_a_system_openblas_the_pip_wheel_is_preloaded_with_one_thread(monkeypatch):
+    monkeypatch.delenv("MLX_DSPARK_OPENBLAS", raising=False)
+    monkeypatch.setattr(blas, "CANDIDATES", [])
+    wheel = blas._wheel_openblas()
+    if wheel is None:
+        assert blas.find_openblas() is None
+        pytest.skip("ngsolve-openblas is not installed here")
+    assert blas.find_openblas() == wheel and "ngsolve_openblas" in wheel
+    env = blas.preload_env(wheel, {"LD_PRELOAD": "/x.so"})
+    assert env["LD_PRELOAD"] == f"{wheel}:/x.so" and env["OPENBLAS_NUM_THREADS"] == "1"
+    assert blas.preload_env(wheel, {"OPENBLAS_NUM_THREADS": "4"})["OPENBLAS_NUM_THREADS"] == "4"
