@@ -5,7 +5,7 @@ body size, and whether a small request waits behind a huge count_tokens.
     python bench/bench_load_bodies.py --model DIR --sizes 0.01,1,8,31
 
 Each size is one /v1/messages request whose single user message is that many MB of prose (far
-past any context window); the time is from sending the body to reading the 400. Then a 30 MB
+past any context window); the time is from sending the body to reading the 400. Then a huge (--count-mb)
 count_tokens runs while a small count_tokens is timed.
 """
 
@@ -35,6 +35,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="target (default: the demo model)")
     ap.add_argument("--sizes", default="0.01,0.1,1,4,16,31", help="body sizes in MB")
+    ap.add_argument("--count-mb", type=float, default=30, help="size of the huge count_tokens (MB)")
     args = ap.parse_args()
 
     from mlx_dspark.models.demo import demo_model_path
@@ -57,7 +58,7 @@ def main() -> int:
         worst = max(worst, took)
         msg = out.get("error", {}).get("message", "")
         print(f"{len(text) / (1 << 20):7.2f} MB over-context /v1/messages: HTTP {status} in {took:6.3f} s  {msg[:60]}")
-    text = WORDS * int(30 * (1 << 20) / len(WORDS))
+    text = WORDS * int(args.count_mb * (1 << 20) / len(WORDS))
     big: dict = {}
 
     def run_big():
@@ -73,7 +74,7 @@ def main() -> int:
     t_small = time.perf_counter()
     th.join()
     st, out, big_took = big["r"]
-    print(f"30 MB count_tokens: HTTP {st}, {out.get('input_tokens')} tokens in {big_took:.1f} s; a small "
+    print(f"{args.count_mb:g} MB count_tokens: HTTP {st}, {out.get('input_tokens')} tokens in {big_took:.1f} s; a small "
           f"count_tokens sent 1 s into it answered in {took:.3f} s "
           f"({'before' if t_small < big['t_end'] else 'after'} the big one finished)")
     print(f"worst over-context refusal: {worst:.3f} s")
