@@ -54,9 +54,10 @@ def tap_decoder_layers(layers, recorder):
 def retype_modules(modules, cls) -> None:
     """Give each module instance the class `cls` (a subclass of its own, or its own class back).
 
-    MLX (0.32.x) nn.QuantizedLinear keeps all its state in instance fields and reads nothing from
-    its class but methods, so swapping an instance's class for a subclass that overrides
-    __call__, and back, changes how it computes and nothing else (kernels/wide_gemm.py)."""
+    MLX (0.32.x) modules keep all their state in instance fields and read nothing from their
+    class but methods, so swapping an instance's class for a subclass that overrides __call__,
+    and back, changes how it computes and nothing else. Used for nn.QuantizedLinear (MLX 0.32.x;
+    kernels/wide_gemm.py) and mlx-lm's GatedDeltaNet layers (mlx-lm 0.32.x; models/hybrid.py)."""
     for m in modules:
         m.__class__ = cls
 

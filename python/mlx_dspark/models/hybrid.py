@@ -31,6 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
+from ..compat import retype_modules
+
 _FAMILY_GDN = ("GatedDeltaNet", "Qwen3NextGatedDeltaNet")  # class names of the supported GDN modules
 
 
@@ -154,7 +156,7 @@ def install_recording(layers) -> str | None:
         def call(self, inputs, mask=None, cache=None, __base=base, __g=g):
             return _recording_call(self, inputs, mask, cache, _base=__base, _globals=__g)
 
-        m.__class__ = type(base.__name__, (base,), {"__call__": call, "_mlx_dspark_replay": True})
+        retype_modules([m], type(base.__name__, (base,), {"__call__": call, "_mlx_dspark_replay": True}))
     return None
 
 
