@@ -1,0 +1,68 @@
+"""The calibration (decode/costs.py): how long it takes, what it measures, and its reuse from disk.
+
+  python bench/bench_calibration.py [--model M] [--out bench/results/auto-cpu.md]
+
+Run it as the CLI would (with and without OpenBLAS preloaded: LD_PRELOAD=... or not). It measures
+the demo target with its drafter and without, in a fresh cache folder (never ~/.cache), then reads
+both back from disk in a second process. Bar: <= 5 s each, reused on the next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+
+CHILD = """
+import json, time, argparse
+from mlx_dspark.cli.common import load_from_args
+from mlx_dspark.decode import costs, policy
+from mlx_dspark.blas import active_blas
+ns = argparse.Namespace(model={model!r}, dtype=None, quantize=None, kv_bits=None, mode="auto", drafter=None,
+                        drafter_bits=None, draft_vocab="auto")
+target, tok, drafter = load_from_args(ns)
+out = {{"blas": active_blas()["name"]}}
+for name, d in (("with drafter", drafter), ("lookup only", None)):
+    t = time.perf_counter()
+    c = costs.costs_for(target, d)
+    out[name] = {{"s": round(time.perf_counter() - t, 3), "origin": c.origin, "summary": c.summary(),
+                 "plain_reason": policy.plain_reason(c, 32, d is not None)}}
+print(json.dumps(out))
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    from mlx_dspark.benchmark import cpu_name, emit
+
+    env = dict(os.environ, MLX_DSPARK_CACHE=tempfile.mkdtemp(prefix="mlx-dspark-calib-"), MLX_DSPARK_CALIBRATION="auto")
+    runs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", CHILD.format(model=a.model)], env=env, capture_output=True,
+                           text=True, timeout=600)
+        if p.returncode:
+            raise SystemExit(p.stderr[-2000:])
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    lines = [f"\n### bench_calibration.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: BLAS "
+             f"{runs[0]['blas']}, LD_PRELOAD={os.environ.get('LD_PRELOAD', '-')}; {cpu_name()}, {os.cpu_count()} "
+             f"cores, shared (load average {os.getloadavg()[0]:.1f})\n",
+             "| pair | first start: s | curve | second start: s (origin) | auto runs plain? |", "|---|---|---|---|---|"]
+    for name in ("with drafter", "lookup only"):
+        f, s = runs[0][name], runs[1][name]
+        lines.append(f"| {name} | {f['s']:.2f} | {f['summary']} | {s['s']:.3f} ({s['origin']}) | "
+                     f"{f['plain_reason'] or 'no'} |")
+    emit("\n".join(lines), a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
