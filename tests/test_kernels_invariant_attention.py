@@ -11,6 +11,7 @@ import random
 import mlx.core as mx
 import pytest
 
+import kernel_text as kt
 from mlx_dspark.kernels import gpu_source as gs
 from mlx_dspark.kernels import invariant as inv
 
@@ -71,7 +72,7 @@ def _parse_tools():
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
 def test_metal_instance_parses(dt):
     parse, metal_stub, _ = _parse_tools()
-    src = gs.metal_kernel_text(inv.metal_instance(), [(dt, 4, 10**4), (dt, 4, 10**5), (dt, 4, 10**5), ("float32", 1, 1)],
+    src = kt.metal_kernel_text(inv.metal_instance(), [(dt, 4, 10**4), (dt, 4, 10**5), (dt, 4, 10**5), ("float32", 1, 1)],
                                [dt], [("T", dt)])
     assert "q_strides" in src and "constant float* scale" in src
     assert parse(src, metal_stub, f"ia_metal_{dt}") == []
@@ -80,7 +81,7 @@ def test_metal_instance_parses(dt):
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
 def test_cuda_instance_parses(dt):
     parse, _, cuda_stub = _parse_tools()
-    src = gs.cuda_kernel_text(inv.cuda_instance(), [(dt, 4), (dt, 4), (dt, 4), ("float32", 1)], [dt], [("T", dt)])
+    src = kt.cuda_kernel_text(inv.cuda_instance(), [(dt, 4), (dt, 4), (dt, 4), ("float32", 1)], [dt], [("T", dt)])
     assert parse(src, cuda_stub, f"ia_cuda_{dt}") == []
 
 
@@ -90,11 +91,29 @@ def test_a_broken_body_fails_both_compile_checks():
     body = good.header.replace("ds_ia_block_max(c, s, red)", "ds_ia_block_max(c, s)")
     assert body != good.header
     m = gs.Instance(good.name, good.input_names, good.output_names, good.source, body)
-    src = gs.metal_kernel_text(m, [("float32", 4, 10**4)] * 3 + [("float32", 1, 1)], ["float32"], [("T", "float32")])
+    src = kt.metal_kernel_text(m, [("float32", 4, 10**4)] * 3 + [("float32", 1, 1)], ["float32"], [("T", "float32")])
     assert parse(src, metal_stub, "ia_broken_metal")
     cg = inv.cuda_instance()
     c = gs.Instance(cg.name, cg.input_names, cg.output_names, cg.source, body)
-    assert parse(gs.cuda_kernel_text(c, [("float32", 4)] * 4, ["float32"], [("T", "float32")]), cuda_stub, "ia_broken_cuda")
+    assert parse(kt.cuda_kernel_text(c, [("float32", 4)] * 4, ["float32"], [("T", "float32")]), cuda_stub, "ia_broken_cuda")
+
+
+def test_gpu_body_runs_on_cpu_threads(tmp_path):
+    """The body itself (not a reference) on the CPU: one std::thread per GPU thread, barriers and
+    SIMD shuffles emulated (tests/emulation/invariant_attention_emu.cpp): matches a float64
+    attention and is bitwise width-invariant. g++ is needed anyway: MLX's CPU backend compiles with it."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    gxx = shutil.which("g++")
+    assert gxx, "g++ is needed (MLX's CPU backend compiles its kernels with it)"
+    src = Path(__file__).parent / "emulation" / "invariant_attention_emu.cpp"
+    exe = tmp_path / "emu"
+    subprocess.run([gxx, "-std=c++20", "-O1", "-pthread", "-I", str(gs.GPU_DIR), str(src), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("OK"), run.stdout + run.stderr
 
 
 # ---------------------------------------------------------------------------------- on the GPU
