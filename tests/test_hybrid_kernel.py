@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_dspark.kernels import gdn_replay as gr
+import kernel_text as kt
 from mlx_dspark.kernels import gpu_source as gs
 from test_metal_check import CUDA_STUB, METAL_STUB, parse
 
@@ -44,8 +45,8 @@ def _instances():
         for with_y in (True, False):
             ins = [(kdt, 4, 999)] * 3 + [("float32", 3, 99), (bdt, 3, 99), ("float32", 4, 9999)]
             tm = [("WITH_Y", with_y)]
-            yield f"metal_{kdt}_{with_y}", gs.metal_kernel_text(gr.metal_instance(), ins, ["float32"] * 2, tm), METAL_STUB
-            yield f"cuda_{kdt}_{with_y}", gs.cuda_kernel_text(gr.cuda_instance(), [(d, n) for d, n, _ in ins],
+            yield f"metal_{kdt}_{with_y}", kt.metal_kernel_text(gr.metal_instance(), ins, ["float32"] * 2, tm), METAL_STUB
+            yield f"cuda_{kdt}_{with_y}", kt.cuda_kernel_text(gr.cuda_instance(), [(d, n) for d, n, _ in ins],
                                                               ["float32"] * 2, tm), CUDA_STUB
 
 
@@ -57,8 +58,8 @@ def test_instances_parse(label, src, stub):
 def test_a_broken_body_fails_both_languages():
     body = gr._body().replace("kv += s[i] * ds_to_float(k[kt + i]);", "kv += s[i] * ds_to_float(kk[kt + i]);")
     assert body != gr._body()
-    for inst, stub, text in ((gr.metal_instance(), METAL_STUB, gs.metal_kernel_text),
-                             (gr.cuda_instance(), CUDA_STUB, gs.cuda_kernel_text)):
+    for inst, stub, text in ((gr.metal_instance(), METAL_STUB, kt.metal_kernel_text),
+                             (gr.cuda_instance(), CUDA_STUB, kt.cuda_kernel_text)):
         bad = gs.Instance(inst.name, inst.input_names, inst.output_names, inst.source, body)
         ins = [("float32", 4, 999)] * 3 + [("float32", 3, 99)] * 2 + [("float32", 4, 9999)]
         src = text(bad, ins if stub is METAL_STUB else [(d, n) for d, n, _ in ins], ["float32"] * 2,

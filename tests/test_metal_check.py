@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import kernel_text as kt
 from mlx_dspark.kernels import gpu_source as gs
 
 try:
@@ -116,13 +117,13 @@ def parse(src: str, stub: str, label: str, extra_args=()) -> list[str]:
 def metal_cases():
     inst = gs.metal_instances()
     for dt in ("float32", "float16", "bfloat16"):
-        yield f"ga_partial_{dt}", gs.metal_kernel_text(inst["ga_partial"], [(dt, 3, 5 * 151936)], ["int32"],
+        yield f"ga_partial_{dt}", kt.metal_kernel_text(inst["ga_partial"], [(dt, 3, 5 * 151936)], ["int32"],
                                                        [("CH", gs.GA_CHUNK)])
     for size in (4, 64):
-        yield f"ga_finalize_{size}", gs.metal_kernel_text(
+        yield f"ga_finalize_{size}", kt.metal_kernel_text(
             inst["ga_finalize"], [("int32", 1, 999), ("int32", 2, size), ("int32", 1, 4)], ["int32"] * 3)
         for has_q in (True, False):
-            yield f"sa_{size}_{has_q}", gs.metal_kernel_text(
+            yield f"sa_{size}_{has_q}", kt.metal_kernel_text(
                 inst["sa"], [("float32", 3, 999), ("float32", 3 if has_q else 1, 999 if has_q else 1),
                              ("int32", 2, size), ("float32", 2, size), ("float32", 1, size // 4)],
                 ["int32", "int32"], [("HAS_Q", has_q)])
@@ -131,14 +132,14 @@ def metal_cases():
 def cuda_cases():
     inst = gs.cuda_instances()
     for dt in ("float32", "float16", "bfloat16"):
-        yield f"cuda_ga_fused_{dt}", gs.cuda_kernel_text(inst["ga_fused"], [(dt, 3), ("int32", 2), ("int32", 1)], ["int32"] * 5,
+        yield f"cuda_ga_fused_{dt}", kt.cuda_kernel_text(inst["ga_fused"], [(dt, 3), ("int32", 2), ("int32", 1)], ["int32"] * 5,
                                                          [("CH", gs.GA_CHUNK)])
-        yield f"cuda_ga_partial_{dt}", gs.cuda_kernel_text(inst["ga_partial"], [(dt, 3)], ["int32"],
+        yield f"cuda_ga_partial_{dt}", kt.cuda_kernel_text(inst["ga_partial"], [(dt, 3)], ["int32"],
                                                            [("CH", gs.GA_CHUNK)])
-    yield "cuda_ga_finalize", gs.cuda_kernel_text(inst["ga_finalize"], [("int32", 1), ("int32", 2), ("int32", 1)],
+    yield "cuda_ga_finalize", kt.cuda_kernel_text(inst["ga_finalize"], [("int32", 1), ("int32", 2), ("int32", 1)],
                                                   ["int32"] * 3)
     for has_q in (True, False):
-        yield f"cuda_sa_{has_q}", gs.cuda_kernel_text(
+        yield f"cuda_sa_{has_q}", kt.cuda_kernel_text(
             inst["sa"], [("float32", 3), ("float32", 3), ("int32", 2), ("float32", 2), ("float32", 1)],
             ["int32", "int32"], [("HAS_Q", has_q)])
 
@@ -178,7 +179,7 @@ def test_broken_metal_body_fails(kind):
     assert call in good.source
     bad = gs.Instance(good.name, good.input_names + ("dims_c",), good.output_names,
                       good.source.replace(call, line), good.header)
-    src = gs.metal_kernel_text(bad, [("float32", 3, 10**6), ("int32", 1, 4)], ["int32"], [("CH", gs.GA_CHUNK)])
+    src = kt.metal_kernel_text(bad, [("float32", 3, 10**6), ("int32", 1, 4)], ["int32"], [("CH", gs.GA_CHUNK)])
     errs = parse(src, METAL_STUB, "broken_" + kind)
     assert errs, f"the broken body ({kind}) parsed cleanly"
     assert any(expect in e for e in errs), errs
@@ -190,11 +191,11 @@ def test_broken_shared_body_fails():
     assert body != gs.body_text()
     inst = gs.metal_instances()["sa"]
     bad = gs.Instance(inst.name, inst.input_names, inst.output_names, inst.source, body)
-    src = gs.metal_kernel_text(bad, [("float32", 3, 999), ("float32", 3, 999), ("int32", 2, 99),
+    src = kt.metal_kernel_text(bad, [("float32", 3, 999), ("float32", 3, 999), ("int32", 2, 99),
                                      ("float32", 2, 99), ("float32", 1, 9)], ["int32"] * 2, [("HAS_Q", True)])
     assert any("ds_warp_sum64" in e or "too many arguments" in e for e in parse(src, METAL_STUB, "bad_body"))
     cinst = gs.cuda_instances()["sa"]
     cbad = gs.Instance(cinst.name, cinst.input_names, cinst.output_names, cinst.source, body)
-    csrc = gs.cuda_kernel_text(cbad, [("float32", 3), ("float32", 3), ("int32", 2), ("float32", 2), ("float32", 1)],
+    csrc = kt.cuda_kernel_text(cbad, [("float32", 3), ("float32", 3), ("int32", 2), ("float32", 2), ("float32", 1)],
                                ["int32"] * 2, [("HAS_Q", True)])
     assert parse(csrc, CUDA_STUB, "bad_body_cuda")
