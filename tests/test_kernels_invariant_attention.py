@@ -61,6 +61,19 @@ def test_reference_is_width_invariant(dtype):
     check_invariance(inv.invariant_attention_reference, dtype)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cpu_matmul_form_matches_the_reference(shape):
+    q, k, v = inputs(*shape, mx.float32, 5)
+    scale = shape[-1] ** -0.5
+    got = inv.invariant_attention_matmul(q, k, v, scale)
+    assert mx.allclose(got, inv.invariant_attention_reference(q, k, v, scale), atol=1e-5, rtol=1e-5).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_cpu_matmul_form_is_width_invariant(dtype):
+    check_invariance(inv.invariant_attention_matmul, dtype)
+
+
 # ------------------------------------------------------------------------------ compile checks
 def _parse_tools():
     import test_metal_check as tmc
