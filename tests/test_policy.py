@@ -23,6 +23,8 @@ def test_costs_interpolate_and_extrapolate():
     assert c.verify(1) == 1.0 and c.verify(3) == 2.5 and c.verify(4) == 3.0
     assert c.verify(6) == pytest.approx(4.0)  # the last slope, (3 - 2) / (4 - 2) per width
     assert Costs([1], [0.5]).verify(4) == 2.0  # one point: linear, the pessimistic guess
+    noisy = Costs([1, 2], [1.0, 0.8])  # a busy machine made w2 look cheaper than w1
+    assert noisy.verify(2) == 1.0 and noisy.verify(12) == pytest.approx(1.0 + 10 * cost_curves.MIN_SLOPE)
 
 
 def test_cost_policy_drafts_long_where_verify_is_flat_and_acceptance_high():

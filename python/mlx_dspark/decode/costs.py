@@ -40,6 +40,7 @@ WIDTHS = (1, 2, 4, 8, 16, 32, 3, 6, 12, 24)  # doubling first, then the gaps
 CONTEXT = 16  # small: a prefill on reference BLAS runs at ~3 GFLOP/s
 BUDGET_S = 4.0
 LINEAR = 0.85
+MIN_SLOPE = 0.04  # extrapolation floor, x t(1) per extra token (float32 SmolLM2, OpenBLAS: ~0.05)
 
 
 @dataclass
@@ -54,7 +55,13 @@ class Costs:
     origin: str = "measured"  # "measured" | "disk" | "given"
 
     def verify(self, w: int) -> float:
-        pts = sorted(zip(self.widths, self.t_verify))
+        """t_verify(w): measured points made non-decreasing (a wider verify never costs less),
+        interpolated between them; past the last one the last slope, at least MIN_SLOPE x t(1)
+        per token (noise must not make wide verifies look free)."""
+        pts, top = [], 0.0
+        for pw, pt in sorted(zip(self.widths, self.t_verify)):
+            top = max(top, pt)
+            pts.append((pw, top))
         if w <= pts[0][0]:
             return pts[0][1]
         for (w0, t0), (w1, t1) in zip(pts, pts[1:]):
@@ -63,7 +70,7 @@ class Costs:
         if len(pts) == 1:
             return pts[0][1] * w
         (w0, t0), (w1, t1) = pts[-2], pts[-1]
-        return t1 + max(t1 - t0, 0.0) / (w1 - w0) * (w - w1)
+        return t1 + max((t1 - t0) / (w1 - w0), MIN_SLOPE * pts[0][1]) * (w - w1)
 
     @property
     def plain(self) -> float:
