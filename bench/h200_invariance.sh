@@ -44,13 +44,13 @@ for step in "$@"; do
   identity)
     for p in $PRECISIONS; do
       python3 bench/bench_invariance.py --precision "$p" --prompts "$C/eval" --n "$N" --tokens "$TOKENS" \
-        --out "$OUT/identity.md" 2>&1 | grep -v "^  " | tail -12
+        --out "$OUT/identity.md" 2>&1 | tail -40
       el
     done ;;
   contrast)
     for p in ${CONTRAST:-bf16}; do
       MLX_DSPARK_INVARIANT=off python3 bench/bench_invariance.py --precision "$p" --prompts "$C/eval" --n "${CN:-10}" \
-        --tokens "$TOKENS" --modes "${CMODES:-lookup,dspark}" --out "$OUT/contrast.md" 2>&1 | grep -v "^  " | tail -8
+        --tokens "$TOKENS" --modes "${CMODES:-lookup,dspark}" --out "$OUT/contrast.md" 2>&1 | tail -40
       el
     done ;;
   cost)
