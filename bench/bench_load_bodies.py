@@ -34,7 +34,7 @@ def post(port: int, path: str, body: dict, timeout: float = 600) -> tuple[int, d
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="target (default: the demo model)")
-    ap.add_argument("--sizes", default="0.01,0.1,1,4,16,31", help="body sizes in MB")
+    ap.add_argument("--sizes", default="0.1,1,4,16,31", help="body sizes in MB (each past the window)")
     ap.add_argument("--count-mb", type=float, default=30, help="size of the huge count_tokens (MB)")
     args = ap.parse_args()
 
