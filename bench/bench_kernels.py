@@ -30,7 +30,8 @@ import mlx.nn as nn
 
 import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
 
-from mlx_dspark import _native, kernels  # noqa: E402
+from mlx_dspark import kernels  # noqa: E402
+from mlx_dspark.kernels import native as _native  # noqa: E402
 from mlx_dspark.kernels import gpu, wide_gemm  # noqa: E402
 from mlx_dspark.kernels.reference import greedy_accept_reference, sampling_accept_reference  # noqa: E402
 
@@ -270,7 +271,7 @@ def main(argv=None):
     n_pipe = 100 if backend != "cpu" else 10
     emit(f"# Kernel microbenchmarks ({backend})\n")
     emit(f"MLX {mx.__version__}, device {mx.default_device()}, {platform.machine()}, "
-         f"python {platform.python_version()}; native: {_native.native_status()['kernels']}; "
+         f"python {platform.python_version()}; native: {kernels.native_status()['kernels']}; "
          f"command: `python bench/bench_kernels.py {' '.join(argv or sys.argv[1:])}`\n")
     bench_greedy(backend, reps, n_pipe)
     bench_sampling(backend, reps, n_pipe)

@@ -69,10 +69,11 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ext():
     """The built native extension (mlx_dspark._ext); a test that needs it fails when it is missing."""
-    from mlx_dspark import _native
+    from mlx_dspark import kernels
+    from mlx_dspark.kernels import native as _native
 
     mod = _native.ext(warn=False)
     if mod is None:
-        pytest.fail(f"mlx_dspark._ext did not load: {_native.native_status()['reason']}\n"
+        pytest.fail(f"mlx_dspark._ext did not load: {kernels.native_status()['reason']}\n"
                     "build it: pip install --no-build-isolation -e .  (or pip install .)")
     return mod

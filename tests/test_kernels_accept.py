@@ -15,7 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_dspark import _native, kernels
+from mlx_dspark import kernels
+from mlx_dspark.kernels import native as _native
 from mlx_dspark.kernels.reference import greedy_accept_reference, sampling_accept_reference
 
 SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
@@ -227,7 +228,7 @@ def test_reference_mode_and_fallback_warns_once(monkeypatch, ext):
     monkeypatch.delenv("MLX_DSPARK_KERNELS")
 
     monkeypatch.setitem(sys.modules, "mlx_dspark._ext", None)  # the extension is missing
-    _native._reset()
+    kernels.reset()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -237,12 +238,12 @@ def test_reference_mode_and_fallback_warns_once(monkeypatch, ext):
         fallback = [c for c in caught if issubclass(c.category, _native.NativeFallbackWarning)]
         assert len(fallback) == 1, [str(c.message) for c in caught]
         assert "native kernels unavailable" in str(fallback[0].message)
-        status = _native.native_status()
+        status = kernels.native_status()
         assert not status["loaded"] and "not importable" in status["reason"]
         assert status["kernels"]["greedy_accept"] == "reference"
         assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
         assert len(got2) == 2
     finally:
         monkeypatch.undo()
-        _native._reset()
+        kernels.reset()
     assert _native.ext(warn=False) is not None

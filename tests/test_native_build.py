@@ -11,7 +11,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_dspark import _native, kernels
+from mlx_dspark import kernels
+from mlx_dspark.kernels import native as _native
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +36,7 @@ def test_extension_is_built_from_these_sources(ext):
 
 def test_extension_matches_mlx(ext):
     assert ext.mlx_version == mx.__version__
-    status = _native.native_status()
+    status = kernels.native_status()
     assert status["loaded"] and status["reason"] is None
     assert set(status["primitives"]) == {"DsparkGreedyAccept", "DsparkSamplingAccept"}
     assert status["kernels"]["greedy_accept"] == "native-cpu"

@@ -37,7 +37,7 @@ def collect() -> dict:
     info["metal"] = bool(getattr(mx, "metal", None) and mx.metal.is_available())
     info["cuda"] = bool(getattr(mx, "cuda", None) and mx.cuda.is_available())
     try:
-        from .._native import native_status
+        from ..kernels import native_status
 
         info["native"] = native_status()
     except ImportError:

@@ -19,7 +19,7 @@ import warnings
 
 import mlx.core as mx
 
-from .. import _native
+from . import native as _native
 from .reference import greedy_accept_reference, sampling_accept_reference
 from .wide_gemm import policy as wide_gemm_policy
 from .wide_gemm import prefill_context
@@ -184,5 +184,17 @@ def sampling_accept(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.arra
     return _call(path, "sampling_accept", p, q, draft, u, u_bonus)
 
 
-__all__ = ["greedy_accept", "greedy_accept_reference", "kernel_paths", "prefill_context",
+def native_status() -> dict:
+    """What `doctor` shows: is the extension loaded, why not, and each kernel's path here."""
+    return {**_native.load_status(), "kernels": kernel_paths()}
+
+
+def reset() -> None:
+    """Forget the extension's load attempt and the routes chosen (tests)."""
+    _native.forget()
+    _routes.clear()
+    _checked.clear()
+
+
+__all__ = ["native_status", "reset", "greedy_accept", "greedy_accept_reference", "kernel_paths", "prefill_context",
            "sampling_accept", "sampling_accept_reference", "wide_gemm_policy"]

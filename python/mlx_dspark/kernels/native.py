@@ -1,8 +1,8 @@
 """The native extension `mlx_dspark._ext`, or the reason it is not used.
 
 `ext()` returns the loaded module or None. The first time it is None, one warning line says why
-and that the pure-MLX kernels are used instead (NativeFallbackWarning). `native_status()` is
-what `mlx-dspark doctor` prints. `MLX_DSPARK_KERNELS=reference` skips the extension altogether.
+and that the pure-MLX kernels are used instead (NativeFallbackWarning). `kernels.native_status()`
+is what `mlx-dspark doctor` prints. `MLX_DSPARK_KERNELS=reference` skips the extension altogether.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _load():
     try:
         import mlx.core as mx
 
-        _ext = importlib.import_module(__package__ + "._ext")
+        _ext = importlib.import_module("mlx_dspark._ext")
     except Exception as e:  # ImportError, or OSError from a libmlx that does not match
         return None, f"mlx_dspark._ext is not importable ({type(e).__name__}: {e})"
     built = getattr(_ext, "mlx_version", "?")
@@ -63,32 +63,19 @@ def ext(warn: bool = True):
         return _state["ext"]
 
 
-def _reset() -> None:
-    """Forget the load attempt (tests)."""
+def forget() -> None:
+    """Forget the load attempt (tests; kernels.reset() also forgets the routes chosen)."""
     with _lock:
         _state.update(tried=False, ext=None, reason=None, warned=False)
-    from . import kernels
-
-    kernels._routes.clear()
-    kernels._checked.clear()
 
 
-def native_status() -> dict:
-    """What `doctor` shows: is the extension loaded, why not, and each kernel's path here."""
+def load_status() -> dict:
+    """Is the extension loaded, and why not."""
     mode = kernels_mode()
     mod = ext(warn=False)
     reason = None
     if mod is None:
         reason = "MLX_DSPARK_KERNELS=reference" if mode == "reference" else _state["reason"]
-    from . import kernels
-
-    return {
-        "loaded": mod is not None,
-        "reason": reason,
-        "module": getattr(mod, "__file__", None),
-        "built_for_mlx": getattr(mod, "mlx_version", None),
-        "metallib": bool(getattr(mod, "has_metal", False)),
-        "primitives": list(getattr(mod, "primitives", ())),
-        "mode": mode,
-        "kernels": kernels.kernel_paths(),
-    }
+    return {"loaded": mod is not None, "reason": reason, "module": getattr(mod, "__file__", None),
+            "built_for_mlx": getattr(mod, "mlx_version", None), "metallib": bool(getattr(mod, "has_metal", False)),
+            "primitives": list(getattr(mod, "primitives", ())), "mode": mode}
