@@ -9,6 +9,7 @@ import pytest
 from drafter_fixtures import perm_chain, target, workspace
 from mlx_dspark.api import generate
 from mlx_dspark.decode import costs as cost_curves
+from mlx_dspark.decode import modes
 from mlx_dspark.decode import policy as pol
 from mlx_dspark.decode.costs import Costs
 from mlx_dspark.decode.lookup import LookupProposer
@@ -128,7 +129,7 @@ def test_auto_draft_is_lossless_in_tokens_and_text(costs, monkeypatch):
 
 def test_auto_mode_runs_plain_where_speculation_cannot_pay_and_says_so_once(monkeypatch, capsys):
     monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: LINEAR)
-    pol._said.clear()
+    modes._said.clear()
     ws = workspace()
     tgt, tok = target(ws["target_perm"])
     d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
@@ -155,7 +156,7 @@ def test_lookup_proposer_uses_the_policy_it_is_given():
 def test_auto_mode_falls_back_to_lookup_where_only_the_drafter_cannot_pay(monkeypatch, capsys):
     dear_drafter = Costs(FLAT.widths, FLAT.t_verify, t_draft=0.05, origin="given")  # 5 plain steps a pass
     monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: dear_drafter)
-    pol._said.clear()
+    modes._said.clear()
     ws = workspace()
     tgt, tok = target(ws["target_perm"])
     d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)

@@ -214,7 +214,7 @@ def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None
         proposer = make_proposer(mode, drafter=drafter, lookup_long_draft=lookup_long_draft, **drafter_options)
     resolved_mode = proposer.name
     if max_draft == "auto":  # the measured cost model picks draft lengths (decode/policy.py)
-        from .decode.policy import apply_auto
+        from .decode.modes import apply_auto
 
         proposer, max_draft = apply_auto(target, proposer, mode, lookup_long_draft)
         resolved_mode = proposer.name

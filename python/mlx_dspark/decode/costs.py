@@ -227,10 +227,10 @@ class _DraftTimer:
     """Times one drafter round: ingest one context row and draft a full block."""
 
     def __init__(self, drafter, target, ctx, prompt_hidden):
-        from .modes import drafter_proposer
+        from .drafting import DrafterProposer
 
         self.drafter = drafter
-        self.prop = drafter_proposer(drafter, lookup_drafts=False)
+        self.prop = DrafterProposer(drafter, lookup_drafts=False)
         self.prop.begin(target, ctx, prompt_hidden)
         self.history = list(ctx) + [1]  # the anchor: the first token after the prompt
         self.row = prompt_hidden[-1:]

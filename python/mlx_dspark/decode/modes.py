@@ -33,3 +33,45 @@ def drafter_proposer(drafter, *, confidence_threshold: float = 0.0, lookup_draft
     from .drafting import DrafterProposer
 
     return DrafterProposer(drafter, confidence_threshold=confidence_threshold, lookup_drafts=lookup_drafts)
+
+
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    import sys
+
+    if msg not in _said:
+        _said.add(msg)
+        print(f"mlx-dspark: {msg}", file=sys.stderr)
+
+
+def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
+    """`max_draft="auto"`: give `proposer` the cost policy for this machine, or, in mode auto where
+    speculation cannot pay here, replace it by plain decoding (said once). Returns (proposer, None):
+    the loop's cap then comes from the proposer as for the default."""
+    from . import costs as cost_curves
+    from .policy import CostPolicy, plain_reason
+
+    if not hasattr(proposer, "use_policy"):
+        return proposer, None  # baseline, or a caller's own proposer
+    drafter = getattr(proposer, "drafter", None)
+    c = cost_curves.costs_for(target, drafter)
+    if c is None:
+        return proposer, None  # MLX_DSPARK_CALIBRATION=off: the fixed rules
+    cap = proposer.block_drafts if drafter is not None else lookup_long_draft
+    if mode == "auto":
+        why = plain_reason(c, cap, drafter is not None)  # a drafter drafts at most its block
+        if why and drafter is not None and getattr(proposer, "lookup_drafts", False):
+            # lookup drafts are free: where the drafter cannot pay, lookup alone may
+            if plain_reason(c, lookup_long_draft, False) is None:
+                _say_once(f"the drafter cannot pay on this machine ({why.split('(', 1)[1].rstrip(')')}): "
+                          f"--mode auto runs lookup ({c.summary()})")
+                proposer = LookupProposer(long_draft=lookup_long_draft)
+                proposer.use_policy(CostPolicy(c, cap=lookup_long_draft))
+                return proposer, None
+        if why:
+            _say_once(f"{why}: --mode auto runs plain decoding ({c.summary()})")
+            return Proposer(), None
+    proposer.use_policy(CostPolicy(c, cap=max(cap, lookup_long_draft)))
+    return proposer, None
