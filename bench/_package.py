@@ -39,6 +39,10 @@ else:
         _stale = stale_files(_here)
         if _stale:
             more = f" and {len(_stale) - 4} more files" if len(_stale) > 4 else ""
-            print(f"bench: the installed mlx_dspark ({_here}) is not this checkout's: it differs in "
-                  f"{', '.join(_stale[:4])}{more}. These figures measure the installed copy; reinstall it "
-                  "(pip install . or pip install -e .) to measure this checkout.", file=sys.stderr, flush=True)
+            print(
+                f"bench: the installed mlx_dspark ({_here}) is not this checkout's: it differs in "
+                f"{', '.join(_stale[:4])}{more}. These figures measure the installed copy; reinstall it "
+                "(pip install . or pip install -e .) to measure this checkout.",
+                file=sys.stderr,
+                flush=True,
+            )

@@ -32,8 +32,19 @@ from mlx_dspark.benchmark import cpu_name, emit  # noqa: E402
 
 
 def one_run(mode: str, prompt: str, n: int, env: dict) -> dict:
-    cmd = [sys.executable, "-m", "mlx_dspark", "generate", "--mode", mode, "--max-new-tokens", str(n),
-           "--prompt", prompt, "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlx_dspark",
+        "generate",
+        "--mode",
+        mode,
+        "--max-new-tokens",
+        str(n),
+        "--prompt",
+        prompt,
+        "--json",
+    ]
     t = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     wall = time.perf_counter() - t
@@ -41,9 +52,15 @@ def one_run(mode: str, prompt: str, n: int, env: dict) -> dict:
         raise SystemExit(f"{' '.join(cmd[:6])} failed ({out.returncode}):\n{out.stderr[-2000:]}")
     line = next(l for l in reversed(out.stdout.splitlines()) if l.startswith("{"))
     d = json.loads(line)
-    return {"mode": d["mode"], "tps": d["timings"]["decode_tps"], "wall": wall, "tokens": d["tokens"],
-            "accept": d.get("mean_accept_len"), "stats": d.get("stats", {}),
-            "notice": [l for l in out.stderr.splitlines() if "speculation cannot pay" in l]}
+    return {
+        "mode": d["mode"],
+        "tps": d["timings"]["decode_tps"],
+        "wall": wall,
+        "tokens": d["tokens"],
+        "accept": d.get("mean_accept_len"),
+        "stats": d.get("stats", {}),
+        "notice": [l for l in out.stderr.splitlines() if "speculation cannot pay" in l],
+    }
 
 
 def main() -> int:
@@ -57,10 +74,13 @@ def main() -> int:
     classes = a.classes.split(",")
     settings = ["reference", "openblas"] if a.blas == "both" else [a.blas]
     load = os.getloadavg()[0]
-    emit(f"\n## bench_auto_cli.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
-         f"`python bench/bench_auto_cli.py --blas {a.blas} --classes {a.classes} --reps {a.reps} "
-         f"--max-new-tokens {a.max_new_tokens}`; {cpu_name()}, {os.cpu_count()} cores, shared with other "
-         f"jobs (load average {load:.1f} at the start); demo model, float32; modes alternate run by run.\n", a.out)
+    emit(
+        f"\n## bench_auto_cli.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+        f"`python bench/bench_auto_cli.py --blas {a.blas} --classes {a.classes} --reps {a.reps} "
+        f"--max-new-tokens {a.max_new_tokens}`; {cpu_name()}, {os.cpu_count()} cores, shared with other "
+        f"jobs (load average {load:.1f} at the start); demo model, float32; modes alternate run by run.\n",
+        a.out,
+    )
     for setting in settings:
         cache = tempfile.mkdtemp(prefix="mlx-dspark-bench-cache-")
         env = dict(os.environ, MLX_DSPARK_CACHE=cache)
@@ -70,23 +90,32 @@ def main() -> int:
             env["MLX_DSPARK_OPENBLAS"] = "0"
         t = time.perf_counter()
         first = one_run("auto", bm.PROMPT_SETS[classes[0]][0], 8, env)
-        emit(f"### {setting} BLAS\n\nfirst auto run (calibration included): {time.perf_counter() - t:.1f} s wall, "
-             f"ran {first['mode']}" + (f"; it said: `{first['notice'][0]}`" if first["notice"] else "") + "\n", a.out)
-        emit("| class | baseline tok/s (median) | auto tok/s (median) | ratio decode | ratio wall | auto ran | "
-             "accept | same tokens |\n|---|---|---|---|---|---|---|---|", a.out)
+        emit(
+            f"### {setting} BLAS\n\nfirst auto run (calibration included): {time.perf_counter() - t:.1f} s wall, "
+            f"ran {first['mode']}" + (f"; it said: `{first['notice'][0]}`" if first["notice"] else "") + "\n",
+            a.out,
+        )
+        emit(
+            "| class | baseline tok/s (median) | auto tok/s (median) | ratio decode | ratio wall | auto ran | "
+            "accept | same tokens |\n|---|---|---|---|---|---|---|---|",
+            a.out,
+        )
         for cls in classes:
             prompt = bm.PROMPT_SETS[cls][0]
             runs = {"baseline": [], "auto": []}
             for r in range(a.reps):
-                for mode in (("baseline", "auto") if r % 2 == 0 else ("auto", "baseline")):
+                for mode in ("baseline", "auto") if r % 2 == 0 else ("auto", "baseline"):
                     runs[mode].append(one_run(mode, prompt, a.max_new_tokens, env))
                     print(f"  {setting} {cls} {mode} {runs[mode][-1]['tps']:.2f} tok/s", file=sys.stderr, flush=True)
             b, x = runs["baseline"], runs["auto"]
             mb, mx_ = statistics.median(r["tps"] for r in b), statistics.median(r["tps"] for r in x)
             wb, wx = statistics.median(r["wall"] for r in b), statistics.median(r["wall"] for r in x)
             same = all(r["tokens"] == b[0]["tokens"] for r in b + x)
-            emit(f"| {cls} | {mb:.2f} | {mx_:.2f} | {mx_ / mb:.3f}x | {wb / wx:.3f}x | {x[0]['mode']} | "
-                 f"{x[0]['accept']:.2f} | {'yes' if same else 'NO'} |", a.out)
+            emit(
+                f"| {cls} | {mb:.2f} | {mx_:.2f} | {mx_ / mb:.3f}x | {wb / wx:.3f}x | {x[0]['mode']} | "
+                f"{x[0]['accept']:.2f} | {'yes' if same else 'NO'} |",
+                a.out,
+            )
         emit("", a.out)
     return 0
 

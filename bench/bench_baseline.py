@@ -30,17 +30,23 @@ def main() -> int:
     ap.add_argument("--out", help="append a markdown record here")
     args = ap.parse_args()
     model, target, tok = bm.load_bench_target(args.model, args.dtype)
-    lines = [f"## {Path(model).name} ({args.dtype or 'default dtype'}), {bm.device_stamp()}",
-             f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}, {args.max_new_tokens} new tokens, "
-             f"best of {args.trials}", ""]
+    lines = [
+        f"## {Path(model).name} ({args.dtype or 'default dtype'}), {bm.device_stamp()}",
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}, {args.max_new_tokens} new tokens, "
+        f"best of {args.trials}",
+        "",
+    ]
     for name, prompt in [("chat", bm.CHAT_PROMPT), ("code", bm.CODE_PROMPT), ("copy", bm.COPY_PROMPT)]:
-        res = bm.compare(target, tok, prompt, args.max_new_tokens, ["mlx_lm", "baseline", "lookup"],
-                         repeats=args.trials)
+        res = bm.compare(
+            target, tok, prompt, args.max_new_tokens, ["mlx_lm", "baseline", "lookup"], repeats=args.trials
+        )
         lines.append(f"### {name} prompt")
         lines += ["    " + ln for ln in bm.report(res, "baseline")]
         ratio = res["baseline"].decode_tps / res["mlx_lm"].decode_tps
-        lines.append(f"    baseline / mlx_lm = {ratio:.3f} (goal >= 0.98); "
-                     f"lookup / baseline = {res['lookup'].decode_tps / res['baseline'].decode_tps:.3f}")
+        lines.append(
+            f"    baseline / mlx_lm = {ratio:.3f} (goal >= 0.98); "
+            f"lookup / baseline = {res['lookup'].decode_tps / res['baseline'].decode_tps:.3f}"
+        )
         lines.append("")
     text = "\n".join(lines)
     bm.emit(text, args.out)

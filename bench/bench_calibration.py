@@ -47,19 +47,24 @@ def main() -> int:
     env = dict(os.environ, MLX_DSPARK_CACHE=tempfile.mkdtemp(prefix="mlx-dspark-calib-"), MLX_DSPARK_CALIBRATION="auto")
     runs = []
     for _ in range(2):
-        p = subprocess.run([sys.executable, "-c", CHILD.format(model=a.model)], env=env, capture_output=True,
-                           text=True, timeout=600)
+        p = subprocess.run(
+            [sys.executable, "-c", CHILD.format(model=a.model)], env=env, capture_output=True, text=True, timeout=600
+        )
         if p.returncode:
             raise SystemExit(p.stderr[-2000:])
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
-    lines = [f"\n### bench_calibration.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: BLAS "
-             f"{runs[0]['blas']}, LD_PRELOAD={os.environ.get('LD_PRELOAD', '-')}; {cpu_name()}, {os.cpu_count()} "
-             f"cores, shared (load average {os.getloadavg()[0]:.1f})\n",
-             "| pair | first start: s | curve | second start: s (origin) | auto runs plain? |", "|---|---|---|---|---|"]
+    lines = [
+        f"\n### bench_calibration.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: BLAS "
+        f"{runs[0]['blas']}, LD_PRELOAD={os.environ.get('LD_PRELOAD', '-')}; {cpu_name()}, {os.cpu_count()} "
+        f"cores, shared (load average {os.getloadavg()[0]:.1f})\n",
+        "| pair | first start: s | curve | second start: s (origin) | auto runs plain? |",
+        "|---|---|---|---|---|",
+    ]
     for name in ("with drafter", "lookup only"):
         f, s = runs[0][name], runs[1][name]
-        lines.append(f"| {name} | {f['s']:.2f} | {f['summary']} | {s['s']:.3f} ({s['origin']}) | "
-                     f"{f['plain_reason'] or 'no'} |")
+        lines.append(
+            f"| {name} | {f['s']:.2f} | {f['summary']} | {s['s']:.3f} ({s['origin']}) | {f['plain_reason'] or 'no'} |"
+        )
     emit("\n".join(lines), a.out)
     return 0
 

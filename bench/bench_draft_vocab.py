@@ -20,7 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
-
 import mlx.core as mx  # noqa: E402
 
 from mlx_dspark import benchmark as bm  # noqa: E402
@@ -65,11 +64,18 @@ def main() -> int:
     args = ap.parse_args()
     model, target, tok = bm.load_bench_target(args.model)
     drafters = {s: resolve_drafter(target, mode="dspark", drafter=args.drafter, draft_vocab=s) for s in args.sizes}
-    prompts = [p for dom in ("humaneval", "mbpp")
-               for p in D.subsample(D.read_prompt_file(EVAL_DIR / f"{dom}.jsonl"), args.prompts, 2)]
-    lines = [f"## Draft vocabulary: {Path(model).name}, {bm.device_stamp()}",
-             f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}", "",
-             "| draft vocabulary | tokens | drafter pass (median ms) |", "|---|---:|---:|"]
+    prompts = [
+        p
+        for dom in ("humaneval", "mbpp")
+        for p in D.subsample(D.read_prompt_file(EVAL_DIR / f"{dom}.jsonl"), args.prompts, 2)
+    ]
+    lines = [
+        f"## Draft vocabulary: {Path(model).name}, {bm.device_stamp()}",
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        "| draft vocabulary | tokens | drafter pass (median ms) |",
+        "|---|---:|---:|",
+    ]
     ids0 = D.encode(tok, prompts[0].text)
     times = {s: [] for s in args.sizes}
     for _ in range(3):  # interleaved repetitions
@@ -77,28 +83,40 @@ def main() -> int:
             times[s] += draft_pass_ms(target, d, ids0, args.reps // 3 + 1)
     for s, d in drafters.items():
         lines.append(f"| {s} | {d.describe()['draft_vocab']} | {statistics.median(times[s][3:]):.2f} |")
-    lines += ["", f"Decode, DSpark drafts only, {args.max_new_tokens} new tokens, warm, best of 2:", "",
-              "| prompt | baseline tok/s | " + " | ".join(f"{s} tok/s | x | accept | same" for s in args.sizes) + " |",
-              "|---|---:|" + "---:|---:|---:|---|" * len(args.sizes)]
+    lines += [
+        "",
+        f"Decode, DSpark drafts only, {args.max_new_tokens} new tokens, warm, best of 2:",
+        "",
+        "| prompt | baseline tok/s | " + " | ".join(f"{s} tok/s | x | accept | same" for s in args.sizes) + " |",
+        "|---|---:|" + "---:|---:|---:|---|" * len(args.sizes),
+    ]
     ratios = {s: [] for s in args.sizes}
     for p in prompts:
         ids = D.encode(tok, p.text)
         best = {}
         for side in ["baseline", *args.sizes]:
-            kw = {"mode": "baseline"} if side == "baseline" else {"mode": "dspark", "drafter": drafters[side],
-                                                                  "lookup_drafts": False}
+            kw = (
+                {"mode": "baseline"}
+                if side == "baseline"
+                else {"mode": "dspark", "drafter": drafters[side], "lookup_drafts": False}
+            )
             generate(target, tok, None, prompt_ids=ids, max_new_tokens=8, **kw)
-            runs = [generate(target, tok, None, prompt_ids=ids, max_new_tokens=args.max_new_tokens, **kw)
-                    for _ in range(2)]
+            runs = [
+                generate(target, tok, None, prompt_ids=ids, max_new_tokens=args.max_new_tokens, **kw) for _ in range(2)
+            ]
             best[side] = max(runs, key=lambda r: r.decode_tps)
         b = best["baseline"]
         cells = []
         for s in args.sizes:
             r = best[s]
             ratios[s].append(r.decode_tps / b.decode_tps)
-            cells.append(f"{r.decode_tps:.1f} | {ratios[s][-1]:.2f}x | {r.mean_accept_len:.2f} | "
-                         f"{'yes' if r.tokens == b.tokens else 'NO'}")
-        lines.append(f"| {p.domain}: {p.text[:32].replace('|', '/')} | {b.decode_tps:.1f} | " + " | ".join(cells) + " |")
+            cells.append(
+                f"{r.decode_tps:.1f} | {ratios[s][-1]:.2f}x | {r.mean_accept_len:.2f} | "
+                f"{'yes' if r.tokens == b.tokens else 'NO'}"
+            )
+        lines.append(
+            f"| {p.domain}: {p.text[:32].replace('|', '/')} | {b.decode_tps:.1f} | " + " | ".join(cells) + " |"
+        )
         print(lines[-1], flush=True)
     lines.append("")
     for s in args.sizes:

@@ -40,17 +40,33 @@ EVAL_DIR = ROOT.parent / "shared" / "data" / "prompts" / "eval"
 BARS = {"humaneval": 3.0, "mbpp": 3.0, "mt-bench": 2.2}
 
 
-def speed(target, tok, drafter, prompts: list[D.Prompt], n: int, trials: int,
-          max_draft: int | None = None, threshold: float = 0.0) -> tuple[list[str], dict]:
+def speed(
+    target,
+    tok,
+    drafter,
+    prompts: list[D.Prompt],
+    n: int,
+    trials: int,
+    max_draft: int | None = None,
+    threshold: float = 0.0,
+) -> tuple[list[str], dict]:
     lines, per_dom = [], {}
     for p in prompts:
         ids = D.encode(tok, p.text)
         runs = {}
-        for side, mode, kw in (("baseline", "baseline", {}),
-                               ("dspark", drafter.kind, {"lookup_drafts": True, "max_draft": max_draft,
-                                                         "confidence_threshold": threshold}),
-                               ("dspark-pure", drafter.kind, {"lookup_drafts": False, "max_draft": max_draft,
-                                                              "confidence_threshold": threshold})):
+        for side, mode, kw in (
+            ("baseline", "baseline", {}),
+            (
+                "dspark",
+                drafter.kind,
+                {"lookup_drafts": True, "max_draft": max_draft, "confidence_threshold": threshold},
+            ),
+            (
+                "dspark-pure",
+                drafter.kind,
+                {"lookup_drafts": False, "max_draft": max_draft, "confidence_threshold": threshold},
+            ),
+        ):
             generate(target, tok, None, prompt_ids=ids, mode=mode, drafter=drafter, max_new_tokens=8, **kw)  # warm
             best = None
             for _ in range(trials):
@@ -67,15 +83,18 @@ def speed(target, tok, drafter, prompts: list[D.Prompt], n: int, trials: int,
             row[f"{side}_accept"] = round(r.mean_accept_len, 3)
             row[f"{side}_same"] = r.tokens == b.tokens
         per_dom.setdefault(p.domain, []).append(row)
-        lines.append(f"| {p.domain} | {row['prompt'][:40].replace('|', '/')!s} | {len(b.tokens)} | "
-                     f"{row['baseline_tps']:.1f} | {row['dspark_tps']:.1f} | **{row['dspark_x']:.2f}x** | "
-                     f"{row['dspark_accept']:.2f} | {row['dspark-pure_tps']:.1f} | {row['dspark-pure_x']:.2f}x | "
-                     f"{row['dspark-pure_accept']:.2f} | {'yes' if row['dspark_same'] and row['dspark-pure_same'] else 'NO'} |")
+        lines.append(
+            f"| {p.domain} | {row['prompt'][:40].replace('|', '/')!s} | {len(b.tokens)} | "
+            f"{row['baseline_tps']:.1f} | {row['dspark_tps']:.1f} | **{row['dspark_x']:.2f}x** | "
+            f"{row['dspark_accept']:.2f} | {row['dspark-pure_tps']:.1f} | {row['dspark-pure_x']:.2f}x | "
+            f"{row['dspark-pure_accept']:.2f} | {'yes' if row['dspark_same'] and row['dspark-pure_same'] else 'NO'} |"
+        )
         print(lines[-1], flush=True)
     summary = {}
     for dom, rows in per_dom.items():
-        summary[dom] = {f"{s}_x_mean": round(statistics.mean(r[f"{s}_x"] for r in rows), 3)
-                        for s in ("dspark", "dspark-pure")}
+        summary[dom] = {
+            f"{s}_x_mean": round(statistics.mean(r[f"{s}_x"] for r in rows), 3) for s in ("dspark", "dspark-pure")
+        }
         summary[dom]["rows"] = rows
     return lines, summary
 
@@ -95,8 +114,12 @@ def main() -> int:
     ap.add_argument("--speed-prompts", type=int, default=3, help="prompts per speed domain")
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--max-draft", type=int, default=None, help="draft tokens per round (default: the full block)")
-    ap.add_argument("--confidence-threshold", type=float, default=0.0,
-                    help="speed runs: cut each block at the first slot whose confidence is below this")
+    ap.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=0.0,
+        help="speed runs: cut each block at the first slot whose confidence is below this",
+    )
     ap.add_argument("--skip-accept", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--out", help="append a markdown record here")
@@ -106,11 +129,15 @@ def main() -> int:
     model, target, tok = bm.load_bench_target(args.model, args.dtype)
     drafter = resolve_drafter(target, mode="dspark", drafter=args.drafter, bits=bits, draft_vocab=args.draft_vocab)
     info = drafter.describe()
-    lines = [f"## DSpark vs greedy: {Path(model).name} ({args.dtype or 'default dtype'}), {bm.device_stamp()}",
-             f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}", "",
-             f"drafter {drafter.source}: {info['layers']} layers, block {info['block_size']}, "
-             f"Markov rank {info['markov_rank']}, taps {info['taps']}, {info['bits']}-bit, "
-             f"draft vocabulary {info['draft_vocab']} tokens", ""]
+    lines = [
+        f"## DSpark vs greedy: {Path(model).name} ({args.dtype or 'default dtype'}), {bm.device_stamp()}",
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        f"drafter {drafter.source}: {info['layers']} layers, block {info['block_size']}, "
+        f"Markov rank {info['markov_rank']}, taps {info['taps']}, {info['bits']}-bit, "
+        f"draft vocabulary {info['draft_vocab']} tokens",
+        "",
+    ]
     record: dict = {"model": model, "drafter": drafter.source, "device": bm.device_stamp(), "drafter_info": info}
     eval_dir = Path(args.eval_dir)
     if not args.skip_accept:
@@ -120,9 +147,15 @@ def main() -> int:
         t0 = time.perf_counter()
         res = acceptance(target, tok, drafter, prompts, max_new_tokens=args.max_new_tokens)
         record["acceptance"] = res
-        lines += [f"### Mean acceptance length (greedy, DSpark drafts only, {args.samples} prompts/domain, "
-                  f"{args.max_new_tokens} new tokens; {time.perf_counter() - t0:.0f}s)", "", "```",
-                  format_table(res), "```", ""]
+        lines += [
+            f"### Mean acceptance length (greedy, DSpark drafts only, {args.samples} prompts/domain, "
+            f"{args.max_new_tokens} new tokens; {time.perf_counter() - t0:.0f}s)",
+            "",
+            "```",
+            format_table(res),
+            "```",
+            "",
+        ]
         for dom, bar in BARS.items():
             if dom in res:
                 ok = res[dom]["mean_accept"] >= bar
@@ -133,20 +166,26 @@ def main() -> int:
         prompts = []
         for dom in args.speed_domains:
             prompts += D.subsample(D.read_prompt_file(eval_dir / f"{dom}.jsonl"), args.speed_prompts, 1)
-        head = ["### Speed: decode tok/s, DSpark against plain greedy (baseline) in one run, warm, "
-                f"best of {args.trials}, {args.max_new_tokens} new tokens, "
-                f"{args.max_draft or 'full-block'} drafts per round"
-                + (f", confidence threshold {args.confidence_threshold}" if args.confidence_threshold else ""), "",
-                "| domain | prompt | tokens | baseline | dspark | x | accept | dspark-pure | x | accept | same tokens |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+        head = [
+            "### Speed: decode tok/s, DSpark against plain greedy (baseline) in one run, warm, "
+            f"best of {args.trials}, {args.max_new_tokens} new tokens, "
+            f"{args.max_draft or 'full-block'} drafts per round"
+            + (f", confidence threshold {args.confidence_threshold}" if args.confidence_threshold else ""),
+            "",
+            "| domain | prompt | tokens | baseline | dspark | x | accept | dspark-pure | x | accept | same tokens |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         print("\n".join(head), flush=True)
-        rows, summ = speed(target, tok, drafter, prompts, args.max_new_tokens, args.trials, args.max_draft,
-                           args.confidence_threshold)
+        rows, summ = speed(
+            target, tok, drafter, prompts, args.max_new_tokens, args.trials, args.max_draft, args.confidence_threshold
+        )
         record["speed"] = summ
         lines += head + rows + [""]
         for dom, s in summ.items():
-            lines.append(f"- {dom}: dspark {s['dspark_x_mean']:.2f}x, dspark-pure {s['dspark-pure_x_mean']:.2f}x "
-                         f"(mean of per-prompt ratios)")
+            lines.append(
+                f"- {dom}: dspark {s['dspark_x_mean']:.2f}x, dspark-pure {s['dspark-pure_x_mean']:.2f}x "
+                f"(mean of per-prompt ratios)"
+            )
         code = [r for d in ("humaneval", "mbpp") for r in summ.get(d, {}).get("rows", [])]
         if code:
             mean_x = statistics.mean(r["dspark_x"] for r in code)

@@ -26,9 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
+import mlx.core as mx
 
 
 def layer(dtype):
@@ -36,9 +35,15 @@ def layer(dtype):
 
     from mlx_dspark.models import hybrid
 
-    args = TextModelArgs(model_type="qwen3_5_text", hidden_size=4096, linear_num_key_heads=16,
-                         linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                         linear_conv_kernel_dim=4)
+    args = TextModelArgs(
+        model_type="qwen3_5_text",
+        hidden_size=4096,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    )
     m = GatedDeltaNet(args)
     m.set_dtype(dtype)
     m.eval()
@@ -50,8 +55,6 @@ def layer(dtype):
     assert hybrid.install_recording([Layer()]) is None
     mx.eval(m.parameters())
     return m
-
-
 
 
 def main(argv=None) -> int:
@@ -77,6 +80,7 @@ def main(argv=None) -> int:
     before = (base[0], base[1])
     rows = []
     for keep in sorted({1, a.width // 2, a.width - 1}):
+
         def replay():
             c = ReplayArraysCache(2)
             c[0], c[1] = before
@@ -114,11 +118,15 @@ def main(argv=None) -> int:
         t_kernel = statistics.median([kernel() for _ in range(a.reps + 1)][1:]) if native else None
         rows.append((keep, t_replay, t_rerun, t_kernel))
     dev = str(mx.default_device())
-    lines = [f"# Hybrid rollback: replay vs re-run (one GDN layer, Qwen3.5-9B-like shapes)", "",
-             f"Command: `python bench/bench_hybrid_replay.py --dtype {a.dtype} --width {a.width} --prefix {a.prefix}`  ",
-             f"Machine: {platform.machine()} {platform.system()}, MLX {mx.__version__}, device {dev}, {a.dtype}", "",
-             "| accepted m of w | replay (ms) | re-run (ms) | re-run / replay | kernel (ms) | re-run / kernel |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "# Hybrid rollback: replay vs re-run (one GDN layer, Qwen3.5-9B-like shapes)",
+        "",
+        f"Command: `python bench/bench_hybrid_replay.py --dtype {a.dtype} --width {a.width} --prefix {a.prefix}`  ",
+        f"Machine: {platform.machine()} {platform.system()}, MLX {mx.__version__}, device {dev}, {a.dtype}",
+        "",
+        "| accepted m of w | replay (ms) | re-run (ms) | re-run / replay | kernel (ms) | re-run / kernel |",
+        "|---|---|---|---|---|---|",
+    ]
     for keep, tr, tu, tk in rows:
         k = f"{tk * 1e3:.3f} | {tu / tk:.2f}x" if tk else "- | - (no GPU kernel here)"
         lines.append(f"| {keep} of {a.width} | {tr * 1e3:.3f} | {tu * 1e3:.3f} | {tu / tr:.2f}x | {k} |")

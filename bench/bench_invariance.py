@@ -68,8 +68,6 @@ def main() -> int:
     ap.add_argument("--out")
     args = ap.parse_args()
 
-    import mlx.core as mx
-
     import mlx_dspark as md
     from mlx_dspark import benchmark as bm
     from mlx_dspark.api import drafter_for
@@ -99,16 +97,23 @@ def main() -> int:
         name = mode
         if mode == "dspark-nolookup":
             name, kw = "dspark", {"lookup_drafts": False}
-        return md.generate(target, tok, None, prompt_ids=ids, mode=name, drafter=drafters.get(name),
-                           max_new_tokens=args.tokens, **kw)
+        return md.generate(
+            target, tok, None, prompt_ids=ids, mode=name, drafter=drafters.get(name), max_new_tokens=args.tokens, **kw
+        )
 
-    head = (f"## {Path(model).name} {args.precision}: {len(prompts)} eval prompts, {args.tokens} tokens greedy, "
-            f"{bm.device_stamp()}")
+    head = (
+        f"## {Path(model).name} {args.precision}: {len(prompts)} eval prompts, {args.tokens} tokens greedy, "
+        f"{bm.device_stamp()}"
+    )
     path = invariant.attention_path() if target.decode_width else "MLX's own"
-    lines = [head, f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}",
-             f"target path: invariance={target.invariance}, decode width={target.decode_width or 'native'}, "
-             f"attention={path}, MLX_DSPARK_INVARIANT={os.environ.get('MLX_DSPARK_INVARIANT', 'auto')}; "
-             f"load + self-check {load_s:.1f} s", ""]
+    lines = [
+        head,
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}",
+        f"target path: invariance={target.invariance}, decode width={target.decode_width or 'native'}, "
+        f"attention={path}, MLX_DSPARK_INVARIANT={os.environ.get('MLX_DSPARK_INVARIANT', 'auto')}; "
+        f"load + self-check {load_s:.1f} s",
+        "",
+    ]
     print(lines[2], flush=True)
     same = {m: 0 for m in modes}
     first = {m: None for m in modes}
@@ -124,9 +129,12 @@ def main() -> int:
                 same[m] += 1
                 continue
             at = first_divergence(r.tokens, base.tokens)
-            detail = (f"{label} token {at}: baseline {base.tokens[at] if at is not None and at < len(base.tokens) else None}"
-                      f" vs {r.tokens[at] if at is not None and at < len(r.tokens) else None}"
-                      if at is not None else f"{label}: same tokens, different text")
+            detail = (
+                f"{label} token {at}: baseline {base.tokens[at] if at is not None and at < len(base.tokens) else None}"
+                f" vs {r.tokens[at] if at is not None and at < len(r.tokens) else None}"
+                if at is not None
+                else f"{label}: same tokens, different text"
+            )
             print(f"  {m}: DIFFERS on {detail}", flush=True)
             if first[m] is None:
                 first[m] = detail

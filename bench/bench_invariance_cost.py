@@ -44,9 +44,12 @@ def main() -> int:
         model = str(demo_model_path())
     target, tok = md.load_target(model, dtype=dtype, quantize=quantize)
     chosen = target.decode_width
-    lines = [f"## cost of width invariance: {Path(model).name} {args.precision}, {bm.device_stamp()}",
-             f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; invariance={target.invariance}, "
-             f"decode width={chosen or 'native'}", ""]
+    lines = [
+        f"## cost of width invariance: {Path(model).name} {args.precision}, {bm.device_stamp()}",
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; invariance={target.invariance}, "
+        f"decode width={chosen or 'native'}",
+        "",
+    ]
 
     lines.append(f"### baseline decode, {args.tokens} tokens, best of {args.trials}")
     for name, prompt in [("chat", bm.CHAT_PROMPT), ("code", bm.CODE_PROMPT), ("copy", bm.COPY_PROMPT)]:
@@ -57,28 +60,40 @@ def main() -> int:
                 continue
             if width is not None:
                 target.decode_width = width
-            run = (lambda: bm.mlx_lm_decode(target, ids, args.tokens)) if side == "mlx_lm" else \
-                (lambda: bm.ours(target, tok, ids, args.tokens, "baseline"))
+            run = (
+                (lambda: bm.mlx_lm_decode(target, ids, args.tokens))
+                if side == "mlx_lm"
+                else (lambda: bm.ours(target, tok, ids, args.tokens, "baseline"))
+            )
             run()  # warm-up
             res[side] = max((run() for _ in range(args.trials)), key=lambda m: m.decode_tps)
         target.decode_width = chosen
         r = res["ours"].decode_tps / res["mlx_lm"].decode_tps
-        line = (f"    {name}: mlx_lm {res['mlx_lm'].decode_tps:.1f} tok/s, ours {res['ours'].decode_tps:.1f} "
-                f"(x{r:.3f} mlx_lm, goal >= 0.97)")
+        line = (
+            f"    {name}: mlx_lm {res['mlx_lm'].decode_tps:.1f} tok/s, ours {res['ours'].decode_tps:.1f} "
+            f"(x{r:.3f} mlx_lm, goal >= 0.97)"
+        )
         if "ours-native" in res:
-            line += (f", ours on the native forward {res['ours-native'].decode_tps:.1f} "
-                     f"(x{res['ours-native'].decode_tps / res['mlx_lm'].decode_tps:.3f})")
-        line += "; same tokens as mlx_lm" if res["ours"].tokens == res["mlx_lm"].tokens else "; tokens differ from mlx_lm"
+            line += (
+                f", ours on the native forward {res['ours-native'].decode_tps:.1f} "
+                f"(x{res['ours-native'].decode_tps / res['mlx_lm'].decode_tps:.3f})"
+            )
+        line += (
+            "; same tokens as mlx_lm" if res["ours"].tokens == res["mlx_lm"].tokens else "; tokens differ from mlx_lm"
+        )
         lines.append(line)
         print(line, flush=True)
 
-    lines += ["", f"### verify cost, one forward of w tokens over a 200-token cache (mean of {args.reps})",
-              "    w   native ms  invariant ms  inv/native  native/native(1)  inv/native(1)"]
+    lines += [
+        "",
+        f"### verify cost, one forward of w tokens over a 200-token cache (mean of {args.reps})",
+        "    w   native ms  invariant ms  inv/native  native/native(1)  inv/native(1)",
+    ]
     vocab = target.vocab_size
     prefix = mx.array([[(13 * i + 5) % vocab for i in range(200)]], dtype=mx.int32)
     block = mx.array([[(7 * i + 3) % vocab for i in range(16)]], dtype=mx.int32)
     times = {}
-    for width in ([0, chosen] if chosen else [0]):
+    for width in [0, chosen] if chosen else [0]:
         target.decode_width = width
         cache = target.make_cache()
         mx.eval(target.forward(prefix, cache, last_only=True).logits)
@@ -95,8 +110,10 @@ def main() -> int:
     for w in range(1, 17):
         nat = times[(0, w)]
         inv = times.get((chosen, w), nat) if chosen else nat
-        lines.append(f"   {w:2d}  {nat:9.3f}  {inv:12.3f}  {inv / nat:10.3f}  {nat / times[(0, 1)]:16.3f}  "
-                     f"{inv / times[(0, 1)]:13.3f}")
+        lines.append(
+            f"   {w:2d}  {nat:9.3f}  {inv:12.3f}  {inv / nat:10.3f}  {nat / times[(0, 1)]:16.3f}  "
+            f"{inv / times[(0, 1)]:13.3f}"
+        )
     lines.append("")
     bm.emit("\n".join(lines), args.out)
     return 0

@@ -40,10 +40,13 @@ def main() -> int:
 
     dt = getattr(mx, args.dtype)
     path = inv.attention_path()
-    lines = [f"## invariant attention, {args.dtype}, {bm.device_stamp()}, path {path}",
-             f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; µs per call (mean of {args.reps}, "
-             "calls queued back to back)", "",
-             "    shape (H/Hkv/D, Lq, Lk)   native µs  reference µs  mlx sdpa µs  ref/native  sdpa/native"]
+    lines = [
+        f"## invariant attention, {args.dtype}, {bm.device_stamp()}, path {path}",
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; µs per call (mean of {args.reps}, "
+        "calls queued back to back)",
+        "",
+        "    shape (H/Hkv/D, Lq, Lk)   native µs  reference µs  mlx sdpa µs  ref/native  sdpa/native",
+    ]
     for H, Hkv, D in ((9, 3, 64), (32, 8, 128)):
         for Lk in (256, 1024, 4096):
             Lq = 16
@@ -51,18 +54,25 @@ def main() -> int:
             q = mx.random.normal((1, H, Lq, D), key=k1).astype(dt)
             k = mx.random.normal((1, Hkv, Lk, D), key=k2).astype(dt)
             v = mx.random.normal((1, Hkv, Lk, D), key=k3).astype(dt)
-            s = D ** -0.5
+            s = D**-0.5
             ref = timed(lambda: inv.invariant_attention_reference(q, k, v, s), max(args.reps // 10, 5))
             sdpa = timed(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask="causal"), args.reps)
             nat = timed(lambda: inv.invariant_attention(q, k, v, s), args.reps) if path != "reference" else ref
-            lines.append(f"    {H}/{Hkv}/{D}, {Lq}, {Lk:5d}          {nat:9.1f}  {ref:12.1f}  {sdpa:11.1f}  "
-                         f"{ref / nat:10.2f}  {sdpa / nat:11.2f}")
+            lines.append(
+                f"    {H}/{Hkv}/{D}, {Lq}, {Lk:5d}          {nat:9.1f}  {ref:12.1f}  {sdpa:11.1f}  "
+                f"{ref / nat:10.2f}  {sdpa / nat:11.2f}"
+            )
             print(lines[-1], flush=True)
-    lines += ["", "Is each op width-invariant in the pattern the fixed-width path produces (a plain step at",
-              "position p = row 0 of a 16-query block whose keys end at p + 16; a verify row i = row i of",
-              "a block whose keys end at p - i + 16)? Bitwise, 16 rows, 9/3/64, keys ~600:"]
-    for name, fn in (("invariant op", inv.invariant_attention),
-                     ("mlx sdpa", lambda q, k, v, s: mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask="causal"))):
+    lines += [
+        "",
+        "Is each op width-invariant in the pattern the fixed-width path produces (a plain step at",
+        "position p = row 0 of a 16-query block whose keys end at p + 16; a verify row i = row i of",
+        "a block whose keys end at p - i + 16)? Bitwise, 16 rows, 9/3/64, keys ~600:",
+    ]
+    for name, fn in (
+        ("invariant op", inv.invariant_attention),
+        ("mlx sdpa", lambda q, k, v, s: mx.fast.scaled_dot_product_attention(q, k, v, scale=s, mask="causal")),
+    ):
         lines.append(f"    {name}: {'invariant' if fixed_width_invariant(fn, dt) else 'NOT invariant'}")
     lines.append("")
     bm.emit("\n".join(lines), args.out)

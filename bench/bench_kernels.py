@@ -25,14 +25,13 @@ import sys
 import time
 from pathlib import Path
 
+import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
 import mlx.core as mx
 import mlx.nn as nn
 
-import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
-
 from mlx_dspark import kernels  # noqa: E402
-from mlx_dspark.kernels import native as _native  # noqa: E402
 from mlx_dspark.kernels import gpu, wide_gemm  # noqa: E402
+from mlx_dspark.kernels import native as _native  # noqa: E402
 from mlx_dspark.kernels.reference import greedy_accept_reference, sampling_accept_reference  # noqa: E402
 
 H200_BW = 4.3e12
@@ -87,8 +86,10 @@ def fmt_us(s: float) -> str:
 # ------------------------------------------------------------------------- verify-accept
 def bench_greedy(backend: str, reps: int, n_pipe: int, B=1, w=8, V=151936):
     emit(f"## Greedy verify-accept (B={B}, w={w}, V={V})\n")
-    emit("| dtype | path | sync µs | pipelined µs | eval-only µs | vs ref (sync) | vs ref (pipelined) "
-         "| vs ref (eval-only) | GB/s (eval-only) | % of 4.3 TB/s |")
+    emit(
+        "| dtype | path | sync µs | pipelined µs | eval-only µs | vs ref (sync) | vs ref (pipelined) "
+        "| vs ref (eval-only) | GB/s (eval-only) | % of 4.3 TB/s |"
+    )
     emit("|---|---|---|---|---|---|---|---|---|---|")
     for dtype in (mx.bfloat16, mx.float32):
         lg = mx.random.normal((B, w, V)).astype(dtype)
@@ -109,21 +110,26 @@ def bench_greedy(backend: str, reps: int, n_pipe: int, B=1, w=8, V=151936):
             if name not in ("mx.argmax only",):
                 out = fn()
                 assert all(mx.array_equal(a, b).item() for a, b in zip(out, ref)), name
-        res = {name: (time_sync(fn, reps), time_pipelined(fn, n_pipe), time_eval_only(fn, n_pipe))
-               for name, fn in paths.items()}
+        res = {
+            name: (time_sync(fn, reps), time_pipelined(fn, n_pipe), time_eval_only(fn, n_pipe))
+            for name, fn in paths.items()
+        }
         r_sync, r_pipe, r_eval = res["reference"]
         for name, (ts, tp, te) in res.items():
             bw = nbytes / te / 1e9
             frac = f"{100 * nbytes / te / H200_BW:.1f}%" if backend == "cuda" else "-"
-            emit(f"| {dtype} | {name} | {fmt_us(ts)} | {fmt_us(tp)} | {fmt_us(te)} | {r_sync / ts:.2f}x "
-                 f"| {r_pipe / tp:.2f}x | {r_eval / te:.2f}x | {bw:.0f} | {frac} |")
+            emit(
+                f"| {dtype} | {name} | {fmt_us(ts)} | {fmt_us(tp)} | {fmt_us(te)} | {r_sync / ts:.2f}x "
+                f"| {r_pipe / tp:.2f}x | {r_eval / te:.2f}x | {bw:.0f} | {frac} |"
+            )
     emit()
 
 
 def bench_sampling(backend: str, reps: int, n_pipe: int, B=1, w=8, V=151936):
     emit(f"## Sampling accept (B={B}, w={w}, V={V}, float32)\n")
-    emit("| q | path | sync µs | pipelined µs | eval-only µs | vs ref (sync) | vs ref (pipelined) "
-         "| vs ref (eval-only) |")
+    emit(
+        "| q | path | sync µs | pipelined µs | eval-only µs | vs ref (sync) | vs ref (pipelined) | vs ref (eval-only) |"
+    )
     emit("|---|---|---|---|---|---|---|---|")
     k = w - 1
     p = mx.softmax(mx.random.normal((B, w, V)) * 3, axis=-1)
@@ -133,17 +139,23 @@ def bench_sampling(backend: str, reps: int, n_pipe: int, B=1, w=8, V=151936):
     ub = mx.random.uniform(shape=(B,))
     mx.eval(p, q, d, u, ub)
     for qq, label in ((q, "q"), (None, "one-hot")):
-        paths = {"reference": lambda: sampling_accept_reference(p, qq, d, u, ub),
-                 "kernels.sampling_accept": lambda: kernels.sampling_accept(p, qq, d, u, ub)}
+        paths = {
+            "reference": lambda: sampling_accept_reference(p, qq, d, u, ub),
+            "kernels.sampling_accept": lambda: kernels.sampling_accept(p, qq, d, u, ub),
+        }
         ref = paths["reference"]()
         out = paths["kernels.sampling_accept"]()
         assert all(mx.array_equal(a, b).item() for a, b in zip(out, ref))
-        res = {name: (time_sync(fn, reps), time_pipelined(fn, n_pipe), time_eval_only(fn, n_pipe))
-               for name, fn in paths.items()}
+        res = {
+            name: (time_sync(fn, reps), time_pipelined(fn, n_pipe), time_eval_only(fn, n_pipe))
+            for name, fn in paths.items()
+        }
         r_sync, r_pipe, r_eval = res["reference"]
         for name, (ts, tp, te) in res.items():
-            emit(f"| {label} | {name} | {fmt_us(ts)} | {fmt_us(tp)} | {fmt_us(te)} | {r_sync / ts:.2f}x "
-                 f"| {r_pipe / tp:.2f}x | {r_eval / te:.2f}x |")
+            emit(
+                f"| {label} | {name} | {fmt_us(ts)} | {fmt_us(tp)} | {fmt_us(te)} | {r_sync / ts:.2f}x "
+                f"| {r_pipe / tp:.2f}x | {r_eval / te:.2f}x |"
+            )
     emit()
 
 
@@ -221,9 +233,13 @@ def bench_wide_gemm(backend: str, reps: int, layers: int, T: int, dtype, shape: 
     emit("| path | ms / prefill | GFLOP/s (linear layers) | vs stock |")
     emit("|---|---|---|---|")
     emit(f"| stock quantized matmul | {ts * 1e3:.2f} | {flops / ts / 1e9:.0f} | 1.00x |")
-    emit(f"| dequantize-once + dense GEMM ({cfg['compute']}) | {td * 1e3:.2f} | {flops / td / 1e9:.0f} | {ts / td:.2f}x |")
-    emit(f"\nOutput difference (dense vs stock, after {layers} layers): max |diff| / max |out| = {rel:.2e}; "
-         f"{100 * frac:.1f}% of elements differ. Policy here: {pol}\n")
+    emit(
+        f"| dequantize-once + dense GEMM ({cfg['compute']}) | {td * 1e3:.2f} | {flops / td / 1e9:.0f} | {ts / td:.2f}x |"  # noqa: E501
+    )
+    emit(
+        f"\nOutput difference (dense vs stock, after {layers} layers): max |diff| / max |out| = {rel:.2e}; "
+        f"{100 * frac:.1f}% of elements differ. Policy here: {pol}\n"
+    )
 
 
 def bench_projections(reps: int, dtype, shape: dict, rows_list, label: str):
@@ -252,8 +268,10 @@ def bench_projections(reps: int, dtype, shape: dict, rows_list, label: str):
 
         a, b = stock(), dense()
         same = all(mx.array_equal(x, y).item() for x, y in zip(a, b))
-        rel = max((mx.abs(x.astype(mx.float32) - y.astype(mx.float32)).max()
-                   / mx.abs(x.astype(mx.float32)).max()).item() for x, y in zip(a, b))
+        rel = max(
+            (mx.abs(x.astype(mx.float32) - y.astype(mx.float32)).max() / mx.abs(x.astype(mx.float32)).max()).item()
+            for x, y in zip(a, b)
+        )
         ts, td = time_sync(stock, reps), time_sync(dense, reps)
         emit(f"| {rows} | {ts * 1e3:.3f} | {td * 1e3:.3f} | {ts / td:.2f}x | {same} | {rel:.1e} |")
     emit()
@@ -270,17 +288,25 @@ def main(argv=None):
     reps = args.reps or (50 if backend != "cpu" else 20)
     n_pipe = 100 if backend != "cpu" else 10
     emit(f"# Kernel microbenchmarks ({backend})\n")
-    emit(f"MLX {mx.__version__}, device {mx.default_device()}, {platform.machine()}, "
-         f"python {platform.python_version()}; native: {kernels.native_status()['kernels']}; "
-         f"command: `python bench/bench_kernels.py {' '.join(argv or sys.argv[1:])}`\n")
+    emit(
+        f"MLX {mx.__version__}, device {mx.default_device()}, {platform.machine()}, "
+        f"python {platform.python_version()}; native: {kernels.native_status()['kernels']}; "
+        f"command: `python bench/bench_kernels.py {' '.join(argv or sys.argv[1:])}`\n"
+    )
     bench_greedy(backend, reps, n_pipe)
     bench_sampling(backend, reps, n_pipe)
     if not args.skip_gemm:
         if backend == "cpu":
-            bench_projections(3, mx.float32, dict(H=576, I=1536, nh=9, nkv=3, hd=64), (16, 128, 512),
-                              "SmolLM2-135M")
-            bench_wide_gemm(backend, 3, args.layers or 4, 128, mx.float32,
-                            dict(H=576, I=1536, nh=9, nkv=3, hd=64), "SmolLM2-135M-shaped")
+            bench_projections(3, mx.float32, dict(H=576, I=1536, nh=9, nkv=3, hd=64), (16, 128, 512), "SmolLM2-135M")
+            bench_wide_gemm(
+                backend,
+                3,
+                args.layers or 4,
+                128,
+                mx.float32,
+                dict(H=576, I=1536, nh=9, nkv=3, hd=64),
+                "SmolLM2-135M-shaped",
+            )
         else:
             q4b = dict(H=2560, I=9728, nh=32, nkv=8, hd=128)
             bench_projections(20, mx.bfloat16, q4b, (16, 64, 128, 256, 512, 2048), "Qwen3-4B")

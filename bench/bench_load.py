@@ -25,9 +25,14 @@ import time
 from urllib.parse import urlsplit
 
 PROMPTS = [
-    "Name three primary colors.", "What is 12 times 7?", "Write one sentence about the sea.",
-    "List two fruits.", "Say hello in French.", "What is the capital of Japan?",
-    "Give a synonym for happy.", "Count from one to five.",
+    "Name three primary colors.",
+    "What is 12 times 7?",
+    "Write one sentence about the sea.",
+    "List two fruits.",
+    "Say hello in French.",
+    "What is the capital of Japan?",
+    "Give a synonym for happy.",
+    "Count from one to five.",
 ]
 
 
@@ -36,8 +41,12 @@ def stream_text(base: str, model: str, prompt: str, max_tokens: int, anthropic: 
     c = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     msgs = [{"role": "user", "content": prompt}]
     body = {"model": model, "max_tokens": max_tokens, "stream": True, "messages": msgs, "temperature": 0}
-    c.request("POST", "/v1/messages" if anthropic else "/v1/chat/completions", body=json.dumps(body),
-              headers={"Content-Type": "application/json"})
+    c.request(
+        "POST",
+        "/v1/messages" if anthropic else "/v1/chat/completions",
+        body=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
     r = c.getresponse()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
@@ -121,8 +130,11 @@ def main() -> int:
         model = health["model"]
         timeout = 60.0 + 30.0 * args.streams
         t0 = time.perf_counter()
-        solo = {(i, a): stream_text(url, model, p, args.max_tokens, a, timeout)
-                for i, p in enumerate(PROMPTS) for a in (False, True)}
+        solo = {
+            (i, a): stream_text(url, model, p, args.max_tokens, a, timeout)
+            for i, p in enumerate(PROMPTS)
+            for a in (False, True)
+        }
         solo_s = time.perf_counter() - t0
         print(f"solo runs: {len(solo)} in {solo_s:.1f} s ({health['mode']} mode, {model})", flush=True)
 
@@ -160,15 +172,19 @@ def main() -> int:
             time.sleep(2.0)
         wall = time.perf_counter() - t1
         warm = [r for _, r, w in samples if w]
-        line = (f"load: {args.streams} concurrent streams for {wall:.0f} s: {stats['done']} streams completed "
-                f"({stats['done'] / wall:.2f}/s), {stats['mismatch']} text mismatches, {len(stats['errors'])} errors")
+        line = (
+            f"load: {args.streams} concurrent streams for {wall:.0f} s: {stats['done']} streams completed "
+            f"({stats['done'] / wall:.2f}/s), {stats['mismatch']} text mismatches, {len(stats['errors'])} errors"
+        )
         print(line)
         ok = stats["mismatch"] == 0 and not stats["errors"] and stats["done"] > 0
         if warm:
             base, hi, lo = warm[0], max(warm), min(warm)
             drift = max(hi - base, base - lo) / base
-            print(f"RSS: {samples[0][1]:.0f} MB at start, {base:.0f} MB when warm, {lo:.0f}..{hi:.0f} MB after "
-                  f"({drift * 100:+.1f}% max drift, {len(warm)} samples)")
+            print(
+                f"RSS: {samples[0][1]:.0f} MB at start, {base:.0f} MB when warm, {lo:.0f}..{hi:.0f} MB after "
+                f"({drift * 100:+.1f}% max drift, {len(warm)} samples)"
+            )
             ok = ok and drift <= args.rss_tolerance
         elif pid:
             print("RSS: not every stream finished once, so no warm baseline (run longer)")

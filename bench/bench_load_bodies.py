@@ -53,8 +53,9 @@ def main() -> int:
     worst = 0.0
     for mb in (float(x) for x in args.sizes.split(",")):
         text = WORDS * max(1, int(mb * (1 << 20) / len(WORDS)))
-        status, out, took = post(port, "/v1/messages", {"model": model, "max_tokens": 16,
-                                                        "messages": [{"role": "user", "content": text}]})
+        status, out, took = post(
+            port, "/v1/messages", {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": text}]}
+        )
         worst = max(worst, took)
         msg = out.get("error", {}).get("message", "")
         print(f"{len(text) / (1 << 20):7.2f} MB over-context /v1/messages: HTTP {status} in {took:6.3f} s  {msg[:60]}")
@@ -62,21 +63,25 @@ def main() -> int:
     big: dict = {}
 
     def run_big():
-        big["r"] = post(port, "/v1/messages/count_tokens", {"model": model,
-                                                            "messages": [{"role": "user", "content": text}]})
+        big["r"] = post(
+            port, "/v1/messages/count_tokens", {"model": model, "messages": [{"role": "user", "content": text}]}
+        )
         big["t_end"] = time.perf_counter()
 
     th = threading.Thread(target=run_big)
     th.start()
     time.sleep(1.0)
-    status, small, took = post(port, "/v1/messages/count_tokens", {"model": model, "messages": [
-        {"role": "user", "content": "hi"}]})
+    status, small, took = post(
+        port, "/v1/messages/count_tokens", {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    )
     t_small = time.perf_counter()
     th.join()
     st, out, big_took = big["r"]
-    print(f"{args.count_mb:g} MB count_tokens: HTTP {st}, {out.get('input_tokens')} tokens in {big_took:.1f} s; a small "
-          f"count_tokens sent 1 s into it answered in {took:.3f} s "
-          f"({'before' if t_small < big['t_end'] else 'after'} the big one finished)")
+    print(
+        f"{args.count_mb:g} MB count_tokens: HTTP {st}, {out.get('input_tokens')} tokens in {big_took:.1f} s; a small "
+        f"count_tokens sent 1 s into it answered in {took:.3f} s "
+        f"({'before' if t_small < big['t_end'] else 'after'} the big one finished)"
+    )
     print(f"worst over-context refusal: {worst:.3f} s")
     server.shutdown()
     engine.stop()

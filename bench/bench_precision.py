@@ -24,19 +24,24 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-
 import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
+import mlx.core as mx
 
 from mlx_dspark.blas import loaded_blas  # noqa: E402
 from mlx_dspark.models.demo import demo_model_path  # noqa: E402
 from mlx_dspark.models.loading import load_target  # noqa: E402
 
-PRECISIONS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
-              "mlx-8bit": dict(dtype="float32", quantize=8), "mlx-4bit": dict(dtype="float32", quantize=4)}
+PRECISIONS = {
+    "float32": dict(dtype="float32"),
+    "bfloat16": dict(dtype="bfloat16"),
+    "mlx-8bit": dict(dtype="float32", quantize=8),
+    "mlx-4bit": dict(dtype="float32", quantize=4),
+}
 WIDTHS = list(range(1, 17)) + [32]
-PROMPT = ("Speculative decoding drafts several tokens and the target verifies them in one forward pass. "
-          "Whether it pays depends on how the cost of a forward grows with its width. ") * 12
+PROMPT = (
+    "Speculative decoding drafts several tokens and the target verifies them in one forward pass. "
+    "Whether it pays depends on how the cost of a forward grows with its width. "
+) * 12
 
 
 def prefill(target, ids: list[int]):
@@ -55,8 +60,12 @@ def decode_tps(target, ids: list[int], n: int) -> dict:
         logits = target.forward(mx.array([[tok]]), cache).logits
         tok = int(mx.argmax(logits[0, -1]).item())
         steps.append(time.perf_counter() - t)
-    return {"tokens": n, "tok_s": n / sum(steps), "median_step_ms": 1e3 * statistics.median(steps),
-            "min_step_ms": 1e3 * min(steps)}
+    return {
+        "tokens": n,
+        "tok_s": n / sum(steps),
+        "median_step_ms": 1e3 * statistics.median(steps),
+        "min_step_ms": 1e3 * min(steps),
+    }
 
 
 def verify_curve(target, ids: list[int], reps: int) -> dict:
@@ -83,38 +92,61 @@ def machine() -> dict:
     from mlx_dspark.benchmark import cpu_name
 
     cpu = cpu_name()
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "mlx": mx.__version__, "device": str(mx.default_device()),
-            "blas": loaded_blas() or "MLX's bundled reference BLAS",
-            "loadavg_start": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "blas": loaded_blas() or "MLX's bundled reference BLAS",
+        "loadavg_start": os.getloadavg(),
+    }
 
 
 def report(res: dict) -> str:
-    L = ["# Precision on CPU: SmolLM2-135M-Instruct (demo GGUF, Q4_1 source)", "",
-         f"Command: `{res['command']}`", ""]
+    L = ["# Precision on CPU: SmolLM2-135M-Instruct (demo GGUF, Q4_1 source)", "", f"Command: `{res['command']}`", ""]
     m = res["machine"]
-    L += [f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; Python {m['python']}, MLX {m['mlx']} "
-          f"({m['device']}); BLAS: {m['blas']}.",
-          f"Load average at start {tuple(round(x, 2) for x in m['loadavg_start'])}, at end "
-          f"{tuple(round(x, 2) for x in res['loadavg_end'])} (the machine is shared: medians are what a user sees, "
-          "minimums the least disturbed).", "",
-          f"Prompt {res['prompt_tokens']} tokens; decode {res['decode_tokens']} greedy steps; "
-          f"verify reps {res['reps']} per width after one warm-up.", "", "## Decode (width 1)", "",
-          "| precision | tok/s | median step ms | min step ms |", "|---|---:|---:|---:|"]
+    L += [
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; Python {m['python']}, MLX {m['mlx']} "
+        f"({m['device']}); BLAS: {m['blas']}.",
+        f"Load average at start {tuple(round(x, 2) for x in m['loadavg_start'])}, at end "
+        f"{tuple(round(x, 2) for x in res['loadavg_end'])} (the machine is shared: medians are what a user sees, "
+        "minimums the least disturbed).",
+        "",
+        f"Prompt {res['prompt_tokens']} tokens; decode {res['decode_tokens']} greedy steps; "
+        f"verify reps {res['reps']} per width after one warm-up.",
+        "",
+        "## Decode (width 1)",
+        "",
+        "| precision | tok/s | median step ms | min step ms |",
+        "|---|---:|---:|---:|",
+    ]
     for p, r in res["results"].items():
         d = r["decode"]
         L.append(f"| {p} | {d['tok_s']:.2f} | {d['median_step_ms']:.1f} | {d['min_step_ms']:.1f} |")
-    L += ["", "## Verify cost curve (cache warm at the prompt length)", "",
-          "Median ms of one width-w forward (ratio to width 1 in parentheses).", "",
-          "| w | " + " | ".join(res["results"]) + " |", "|---:|" + "---:|" * len(res["results"])]
+    L += [
+        "",
+        "## Verify cost curve (cache warm at the prompt length)",
+        "",
+        "Median ms of one width-w forward (ratio to width 1 in parentheses).",
+        "",
+        "| w | " + " | ".join(res["results"]) + " |",
+        "|---:|" + "---:|" * len(res["results"]),
+    ]
     for w in WIDTHS:
         cells = []
         for r in res["results"].values():
             c, one = r["verify"][w], r["verify"][1]["median_ms"]
             cells.append(f"{c['median_ms']:.1f} ({c['median_ms'] / one:.2f}x)")
         L.append(f"| {w} | " + " | ".join(cells) + " |")
-    L += ["", "Minimum ms (least disturbed calls):", "", "| w | " + " | ".join(res["results"]) + " |",
-          "|---:|" + "---:|" * len(res["results"])]
+    L += [
+        "",
+        "Minimum ms (least disturbed calls):",
+        "",
+        "| w | " + " | ".join(res["results"]) + " |",
+        "|---:|" + "---:|" * len(res["results"]),
+    ]
     for w in WIDTHS:
         L.append(f"| {w} | " + " | ".join(f"{r['verify'][w]['min_ms']:.1f}" for r in res["results"].values()) + " |")
     return "\n".join(L) + "\n"
@@ -130,11 +162,18 @@ def main() -> int:
     ap.add_argument("--out", help="write OUT.json and OUT.md")
     args = ap.parse_args()
     if mx.default_device() == mx.cpu and not loaded_blas():
-        print("note: OpenBLAS is not preloaded; float32 runs on MLX's reference BLAS (see the docstring)",
-              file=sys.stderr)
+        print(
+            "note: OpenBLAS is not preloaded; float32 runs on MLX's reference BLAS (see the docstring)", file=sys.stderr
+        )
     model = args.model or str(demo_model_path())
-    res = {"command": " ".join(["python"] + sys.argv), "machine": machine(), "model": model, "reps": args.reps,
-           "decode_tokens": args.decode_tokens, "results": {}}
+    res = {
+        "command": " ".join(["python"] + sys.argv),
+        "machine": machine(),
+        "model": model,
+        "reps": args.reps,
+        "decode_tokens": args.decode_tokens,
+        "results": {},
+    }
     for name in args.precisions.split(","):
         t = time.perf_counter()
         target, tok = load_target(model, **PRECISIONS[name])

@@ -42,10 +42,16 @@ def _server(target, tok, mode, prefix_cache):
 
 def _chat(url, model, messages, max_tokens):
     """(time to first text, full text, usage) of one streamed chat completion."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     ttft, text, usage = None, "", {}
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -104,11 +110,15 @@ def main() -> int:
             s.server_close()
             e.stop()
     cached = (u_w.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    print(f"target: {where}; mode {args.mode}; follow-up prompt {u_w.get('prompt_tokens')} tokens, "
-          f"{cached} from the prefix cache")
+    print(
+        f"target: {where}; mode {args.mode}; follow-up prompt {u_w.get('prompt_tokens')} tokens, "
+        f"{cached} from the prefix cache"
+    )
     print(f"turn 1 (cold, fills the cache): TTFT {t1 * 1000:.0f} ms")
-    print(f"follow-up TTFT: cold server {cold_ttft * 1000:.0f} ms, with the prefix cache {warm_ttft * 1000:.0f} ms: "
-          f"{cold_ttft / warm_ttft:.1f}x")
+    print(
+        f"follow-up TTFT: cold server {cold_ttft * 1000:.0f} ms, with the prefix cache {warm_ttft * 1000:.0f} ms: "
+        f"{cold_ttft / warm_ttft:.1f}x"
+    )
     print(f"same answer: {'yes' if warm_text == cold_text else 'NO'}")
     return 0 if warm_text == cold_text else 1
 

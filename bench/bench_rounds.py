@@ -31,6 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
+
 sys.path.insert(0, str(ROOT / "tests"))
 
 import mlx.core as mx  # noqa: E402
@@ -46,11 +47,32 @@ def write_pair(workdir: Path) -> tuple[Path, Path]:
 
     tdir, ddir = workdir / "smollm2-shaped", workdir / "dspark-5layer"
     if not (tdir / "model.safetensors").exists():
-        write_model(tdir, "llama", layers=30, hidden=576, heads=9, kv_heads=3, intermediate=1536, tie=True,
-                    model_vocab=49152, seed=0)
+        write_model(
+            tdir,
+            "llama",
+            layers=30,
+            hidden=576,
+            heads=9,
+            kv_heads=3,
+            intermediate=1536,
+            tie=True,
+            model_vocab=49152,
+            seed=0,
+        )
     if not (ddir / "model.safetensors").exists():
-        write_deepspec(ddir, tdir, layers=5, heads=9, kv_heads=3, head_dim=64, intermediate=1536, markov_rank=256,
-                       block=7, taps=TAPS, std=0.3)
+        write_deepspec(
+            ddir,
+            tdir,
+            layers=5,
+            heads=9,
+            kv_heads=3,
+            head_dim=64,
+            intermediate=1536,
+            markov_rank=256,
+            block=7,
+            taps=TAPS,
+            std=0.3,
+        )
     return tdir, ddir
 
 
@@ -89,11 +111,14 @@ def run_rounds(target, drafter, prompt, rounds: int) -> dict:
     from mlx_dspark.decode.modes import drafter_proposer
 
     st = Stages()
-    d_fns = [st.wrap(drafter, "block_hidden", "drafter backbone", _arrays),
-             st.wrap(drafter, "logits", "draft lm_head", _arrays),
-             st.wrap(drafter, "sample", "draft sample (lm_head + Markov)", _arrays)]
-    t_fwd = st.wrap(target, "forward", lambda tokens, *a, **k: "verify" if tokens.shape[-1] > 1 else "plain step",
-                    _arrays)
+    d_fns = [
+        st.wrap(drafter, "block_hidden", "drafter backbone", _arrays),
+        st.wrap(drafter, "logits", "draft lm_head", _arrays),
+        st.wrap(drafter, "sample", "draft sample (lm_head + Markov)", _arrays),
+    ]
+    t_fwd = st.wrap(
+        target, "forward", lambda tokens, *a, **k: "verify" if tokens.shape[-1] > 1 else "plain step", _arrays
+    )
     acc = accept.GreedyAcceptor.verify
     st.wrap(accept.GreedyAcceptor, "verify", "accept", lambda out: [])
     p = drafter_proposer(drafter, lookup_drafts=False)
@@ -128,8 +153,9 @@ def summarize(samples: dict) -> dict:
         "accept": med.get("accept", 0.0),
         "round": med["round"],
     }
-    out["commit + rest"] = out["round"] - sum(out[k] for k in ("drafter backbone", "draft lm_head", "Markov sampling",
-                                                                "verify", "accept"))
+    out["commit + rest"] = out["round"] - sum(
+        out[k] for k in ("drafter backbone", "draft lm_head", "Markov sampling", "verify", "accept")
+    )
     return out
 
 
@@ -205,14 +231,18 @@ def main() -> int:
     import os
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    lines = [f"## DSpark per-round cost, CPU float32 target ({bm.device_stamp()})", "",
-             f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; BLAS: {blas or 'bundled reference BLAS'}; "
-             f"load average {load:.1f} on {os.cpu_count()} cores (other work on the machine inflates every figure)",
-             f"Target: random llama shaped like SmolLM2-135M (hidden 576, 30 layers, 9/3 heads, intermediate 1536, "
-             f"vocab 49152), float32, {args.context}-token prompt. Drafter: 5-layer DSpark (DeepSpec packaging), "
-             f"block 7, Markov rank 256, taps {TAPS}. Medians over {args.rounds} rounds of the real loop, in {args.reps} interleaved repetitions "
-             "(the first round, which also projects the prompt into the drafter context, left out), each stage "
-             "forced to completion; 'round' is the median time from one round's start to the next.", ""]
+    lines = [
+        f"## DSpark per-round cost, CPU float32 target ({bm.device_stamp()})",
+        "",
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; BLAS: {blas or 'bundled reference BLAS'}; "
+        f"load average {load:.1f} on {os.cpu_count()} cores (other work on the machine inflates every figure)",
+        f"Target: random llama shaped like SmolLM2-135M (hidden 576, 30 layers, 9/3 heads, intermediate 1536, "
+        f"vocab 49152), float32, {args.context}-token prompt. Drafter: 5-layer DSpark (DeepSpec packaging), "
+        f"block 7, Markov rank 256, taps {TAPS}. Medians over {args.rounds} rounds of the real loop, in {args.reps} interleaved repetitions "  # noqa: E501
+        "(the first round, which also projects the prompt into the drafter context, left out), each stage "
+        "forced to completion; 'round' is the median time from one round's start to the next.",
+        "",
+    ]
     cols = ["drafter backbone", "draft lm_head", "Markov sampling", "verify", "accept", "commit + rest", "round"]
     lines.append("| drafter | " + " | ".join(cols) + " |")
     lines.append("|---|" + "---:|" * len(cols))
@@ -220,27 +250,39 @@ def main() -> int:
         name = "float32 (bits 16)" if bits == 16 else f"{bits}-bit"
         lines.append(f"| {name} | " + " | ".join(f"{r[c]:.2f} ms" for c in cols) + " |")
     lines.append("")
-    lines.append("Shares of the round, and the break-even: a round pays when it commits more tokens than "
-                 "round / plain step.")
+    lines.append(
+        "Shares of the round, and the break-even: a round pays when it commits more tokens than round / plain step."
+    )
     lines.append("")
     lines.append("| drafter | " + " | ".join(cols[:-1]) + " | round / plain step |")
     lines.append("|---|" + "---:|" * len(cols))
     for bits, r in rows:
         name = "float32 (bits 16)" if bits == 16 else f"{bits}-bit"
-        lines.append(f"| {name} | " + " | ".join(f"{100 * r[c] / r['round']:.1f}%" for c in cols[:-1])
-                     + f" | {r['round'] / base_ms:.2f} |")
-    lines += ["", f"Plain decode step of the same target (width 1, pipelined baseline): {base_ms:.2f} ms "
-                  f"(median of {args.reps} runs of 30 steps, interleaved with the rounds).", ""]
-    lines.append("Markov head alone (7 sequential steps from given base logits, one eval), and the comparison "
-                 f"with upstream mlx-dspark's published ~{UPSTREAM_MARKOV_MS} ms/round (M4 Pro, 4-bit drafter, "
-                 f"Qwen3 vocab {QWEN3_VOCAB}):")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{100 * r[c] / r['round']:.1f}%" for c in cols[:-1])
+            + f" | {r['round'] / base_ms:.2f} |"
+        )
+    lines += [
+        "",
+        f"Plain decode step of the same target (width 1, pipelined baseline): {base_ms:.2f} ms "
+        f"(median of {args.reps} runs of 30 steps, interleaved with the rounds).",
+        "",
+    ]
+    lines.append(
+        "Markov head alone (7 sequential steps from given base logits, one eval), and the comparison "
+        f"with upstream mlx-dspark's published ~{UPSTREAM_MARKOV_MS} ms/round (M4 Pro, 4-bit drafter, "
+        f"Qwen3 vocab {QWEN3_VOCAB}):"
+    )
     lines.append("")
     lines.append("| drafter | Markov, vocab 49152 | x 3.09 for vocab 151936 (derived) | share of the round |")
     lines.append("|---|---:|---:|---:|")
     for bits, r in rows:
         name = "float32 (bits 16)" if bits == 16 else f"{bits}-bit"
         m = r["markov_micro"]
-        lines.append(f"| {name} | {m:.2f} ms | {m * QWEN3_VOCAB / 49152:.2f} ms | {100 * r['Markov sampling'] / r['round']:.1f}% |")
+        lines.append(
+            f"| {name} | {m:.2f} ms | {m * QWEN3_VOCAB / 49152:.2f} ms | {100 * r['Markov sampling'] / r['round']:.1f}% |"  # noqa: E501
+        )
     text = "\n".join(lines) + "\n"
     bm.emit(text, args.out)
     return 0

@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
+
 sys.path.insert(0, str(ROOT / "tests"))
 
 from mlx_dspark import benchmark as bm  # noqa: E402
@@ -50,8 +51,19 @@ def drafters_for(target, source_dir: Path, workdir: Path) -> dict:
     for kind, kw in (("dspark", dict(markov_rank=256)), ("dflash", dict(markov_rank=0, confidence=False))):
         d = workdir / f"random-{kind}"
         if not (d / "model.safetensors").exists():
-            write_deepspec(d, source_dir, layers=5, heads=9, kv_heads=3, head_dim=64, intermediate=1536, block=7,
-                           taps=[1, 15, 28], std=0.3, **kw)
+            write_deepspec(
+                d,
+                source_dir,
+                layers=5,
+                heads=9,
+                kv_heads=3,
+                head_dim=64,
+                intermediate=1536,
+                block=7,
+                taps=[1, 15, 28],
+                std=0.3,
+                **kw,
+            )
         out[kind] = load_drafter(str(d), target, bits=16)
     return out
 
@@ -62,8 +74,17 @@ def measure_mode(target, tok, ids, mode, drafter, n, settings, trials, seed=0) -
 
     def once(kw, k):
         c0 = time.process_time()
-        r = generate(target, tok, None, prompt_ids=ids, mode=mode, drafter=drafter, max_new_tokens=k,
-                     sampling=SamplingParams(seed=seed, **kw), lookup_drafts=False)
+        r = generate(
+            target,
+            tok,
+            None,
+            prompt_ids=ids,
+            mode=mode,
+            drafter=drafter,
+            max_new_tokens=k,
+            sampling=SamplingParams(seed=seed, **kw),
+            lookup_drafts=False,
+        )
         r.stats["cpu_ms_per_token"] = (time.process_time() - c0) * 1e3 / max(len(r.tokens), 1)
         return r
 
@@ -89,12 +110,15 @@ def micro(V: int, repeats: int = 30) -> list[str]:
 
     from mlx_dspark.decode import sampled
 
-    out = ["", f"Sampling ops alone, vocab {V}, median CPU time of {repeats} (ms; CPU time: less sensitive to "
-                "other load than wall time). w=1: processing + draw of one row; w=8: processing + accept of "
-                "a verify block (7 drafts, q given). mlx = the lazy path (GPU default), host = numpy (CPU default).",
-           "",
-           "| setting | argmax w=1 | mlx w=1 | host w=1 | argmax w=8 | mlx w=8 | host w=8 |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "",
+        f"Sampling ops alone, vocab {V}, median CPU time of {repeats} (ms; CPU time: less sensitive to "
+        "other load than wall time). w=1: processing + draw of one row; w=8: processing + accept of "
+        "a verify block (7 drafts, q given). mlx = the lazy path (GPU default), host = numpy (CPU default).",
+        "",
+        "| setting | argmax w=1 | mlx w=1 | host w=1 | argmax w=8 | mlx w=8 | host w=8 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     rng = np.random.default_rng(0)
     logits = mx.array(rng.normal(size=(8, V)).astype(np.float32) * 3)
     q = mx.softmax(mx.array(rng.normal(size=(1, 7, V)).astype(np.float32)), axis=-1)
@@ -158,29 +182,34 @@ def main() -> int:
     drafters = {}
     if any(m in ("dspark", "dflash") for m in args.modes):
         drafters = drafters_for(target, source_dir, Path(args.workdir))
-    prompts = {"baseline": bm.CHAT_PROMPT, "lookup": bm.COPY_PROMPT, "dspark": bm.CHAT_PROMPT,
-               "dflash": bm.CHAT_PROMPT}
+    prompts = {"baseline": bm.CHAT_PROMPT, "lookup": bm.COPY_PROMPT, "dspark": bm.CHAT_PROMPT, "dflash": bm.CHAT_PROMPT}
     rows = []
     t_start = time.time()
     for mode in args.modes:
         ids = encode_prompt(tok, prompts[mode])
-        res = measure_mode(target, tok, ids, mode, drafters.get(mode), args.max_new_tokens, args.settings,
-                           args.trials)
+        res = measure_mode(target, tok, ids, mode, drafters.get(mode), args.max_new_tokens, args.settings, args.trials)
         for name in args.settings:
             r = res[name]
-            print(f"{mode:8s} {name:20s} {r.decode_tps:7.2f} tok/s  accept {r.mean_accept_len:.2f}  "
-                  f"{len(r.tokens)} tokens  {r.stats['cpu_ms_per_token']:.0f} CPU ms/token", flush=True)
+            print(
+                f"{mode:8s} {name:20s} {r.decode_tps:7.2f} tok/s  accept {r.mean_accept_len:.2f}  "
+                f"{len(r.tokens)} tokens  {r.stats['cpu_ms_per_token']:.0f} CPU ms/token",
+                flush=True,
+            )
         rows.append((mode, res))
 
     load = os.getloadavg()[0]
-    lines = [f"## Sampling: decode tok/s at T > 0 against T = 0 ({bm.device_stamp()})", "",
-             f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')} ({time.time() - t_start:.0f} s); "
-             f"BLAS: {loaded_blas() or 'bundled reference BLAS'}; load average {load:.1f} on {os.cpu_count()} cores "
-             "(other work on the machine inflates every figure). Target: SmolLM2-135M-Instruct (demo GGUF, "
-             f"float32), {args.max_new_tokens} new tokens, seed 0, best of {args.trials} (settings interleaved) after a "
-             "warm-up. Prompts: "
-             "chat (baseline, dspark, dflash), copy (lookup). DSpark/DFlash: random-weight drafters (DeepSpec "
-             "packaging, 5 layers, block 7): their rows show the cost of sampled rounds, not a speedup.", ""]
+    lines = [
+        f"## Sampling: decode tok/s at T > 0 against T = 0 ({bm.device_stamp()})",
+        "",
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')} ({time.time() - t_start:.0f} s); "
+        f"BLAS: {loaded_blas() or 'bundled reference BLAS'}; load average {load:.1f} on {os.cpu_count()} cores "
+        "(other work on the machine inflates every figure). Target: SmolLM2-135M-Instruct (demo GGUF, "
+        f"float32), {args.max_new_tokens} new tokens, seed 0, best of {args.trials} (settings interleaved) after a "
+        "warm-up. Prompts: "
+        "chat (baseline, dspark, dflash), copy (lookup). DSpark/DFlash: random-weight drafters (DeepSpec "
+        "packaging, 5 layers, block 7): their rows show the cost of sampled rounds, not a speedup.",
+        "",
+    ]
     lines.append("| mode | " + " | ".join(args.settings) + " |")
     lines.append("|---|" + "---:|" * len(args.settings))
     for mode, res in rows:
@@ -191,9 +220,12 @@ def main() -> int:
             rel = f" ({r.decode_tps / base.decode_tps:.2f}x)" if base and name != "T=0" and base.decode_tps else ""
             cells.append(f"{r.decode_tps:.1f}{rel}; {r.stats['cpu_ms_per_token']:.0f} ms; acc {r.mean_accept_len:.2f}")
         lines.append(f"| {mode} | " + " | ".join(cells) + " |")
-    lines += ["", "Cells: best decode tok/s (ratio to T = 0 of the same mode); CPU time per generated token of "
-                  "that run, prefill included (less sensitive to other load than wall time, not immune); mean "
-                  "tokens committed per forward. Sampled runs may stop early at EOS (different token counts)."]
+    lines += [
+        "",
+        "Cells: best decode tok/s (ratio to T = 0 of the same mode); CPU time per generated token of "
+        "that run, prefill included (less sensitive to other load than wall time, not immune); mean "
+        "tokens committed per forward. Sampled runs may stop early at EOS (different token counts).",
+    ]
     lines += micro(target.vocab_size)
     text = "\n".join(lines) + "\n"
     bm.emit(text, args.out)

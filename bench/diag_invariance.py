@@ -44,19 +44,27 @@ def main() -> int:
     from mlx_dspark import benchmark as bm
 
     widths = [int(w) for w in args.widths.split(",")]
-    lines = [f"## width-invariance diagnostics, {bm.device_stamp()}", f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}",
-             "", "### a row moved inside a fixed-M call (bitwise)"]
+    lines = [
+        f"## width-invariance diagnostics, {bm.device_stamp()}",
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        "### a row moved inside a fixed-M call (bitwise)",
+    ]
     key = mx.random.key(3)
     x = mx.random.normal((64, 768), key=key).astype(mx.bfloat16)
     w = (mx.random.normal((1536, 768), key=mx.random.key(4)) * 0.05).astype(mx.bfloat16)
     head = (mx.random.normal((49152, 768), key=mx.random.key(5)) * 0.05).astype(mx.bfloat16)
-    ops = {"dense 768x1536": lambda a: a @ w.T, "lm_head 768x49152": lambda a: a @ head.T,
-           "rms_norm": lambda a: mx.fast.rms_norm(a, mx.ones((768,), dtype=a.dtype), 1e-5)}
+    ops = {
+        "dense 768x1536": lambda a: a @ w.T,
+        "lm_head 768x49152": lambda a: a @ head.T,
+        "rms_norm": lambda a: mx.fast.rms_norm(a, mx.ones((768,), dtype=a.dtype), 1e-5),
+    }
     for bits in (8, 4):
         for g in (32, 64, 128):
             wq, s, b = mx.quantize(w, group_size=g, bits=bits)
-            ops[f"quantized_matmul {bits}-bit g{g}"] = (lambda a, wq=wq, s=s, b=b, g=g, bits=bits:
-                                                        mx.quantized_matmul(a, wq, s, b, transpose=True, group_size=g, bits=bits))
+            ops[f"quantized_matmul {bits}-bit g{g}"] = lambda a, wq=wq, s=s, b=b, g=g, bits=bits: mx.quantized_matmul(
+                a, wq, s, b, transpose=True, group_size=g, bits=bits
+            )
     for name, fn in ops.items():
         res = [f"M={W}: {'same' if op_rows(fn, x, W) else 'DIFFERS'}" for W in widths]
         lines.append(f"    {name:<28} " + ", ".join(res))

@@ -74,6 +74,8 @@ def ext():
 
     mod = _native.ext(warn=False)
     if mod is None:
-        pytest.fail(f"mlx_dspark._ext did not load: {kernels.native_status()['reason']}\n"
-                    "build it: pip install --no-build-isolation -e .  (or pip install .)")
+        pytest.fail(
+            f"mlx_dspark._ext did not load: {kernels.native_status()['reason']}\n"
+            "build it: pip install --no-build-isolation -e .  (or pip install .)"
+        )
     return mod

@@ -1,11 +1,11 @@
 """Tiny drafters (and a tiny Gemma 4 target) written to disk in the real checkpoint layouts.
 
-  write_gemma4_target   mlx-lm gemma4_text model in the HF layout (tokenizer from fixtures.py)
-  write_deepspec        DeepSpec DSpark / DFlash: config = the target's config + DeepSpec keys,
-                        top-level tensor names, embed/lm_head copies of the target's
-  write_zlab            z-lab DFlash: dflash_config block, no embed/lm_head, optional remote code
-  write_perm_target / write_perm_dspark / write_perm_dflash
-                        crafted pairs whose drafter provably agrees with its target (acceptance)
+write_gemma4_target   mlx-lm gemma4_text model in the HF layout (tokenizer from fixtures.py)
+write_deepspec        DeepSpec DSpark / DFlash: config = the target's config + DeepSpec keys,
+                      top-level tensor names, embed/lm_head copies of the target's
+write_zlab            z-lab DFlash: dflash_config block, no embed/lm_head, optional remote code
+write_perm_target / write_perm_dspark / write_perm_dflash
+                      crafted pairs whose drafter provably agrees with its target (acceptance)
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
-
 from fixtures import _trained_tokenizer_json, write_model, write_tokenizer
+from safetensors.numpy import load_file, save_file
 
 
 def _rng_w(rng, std):
@@ -40,23 +39,50 @@ def _fresh(path) -> Path:
 
 
 # ------------------------------------------------------------------------ gemma4 target
-def write_gemma4_target(path, *, layers: int = 4, hidden: int = 64, heads: int = 2, head_dim: int = 32,
-                        intermediate: int = 128, seed: int = 0, softcap: float = 30.0) -> Path:
+def write_gemma4_target(
+    path,
+    *,
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 2,
+    head_dim: int = 32,
+    intermediate: int = 128,
+    seed: int = 0,
+    softcap: float = 30.0,
+) -> Path:
     path = _fresh(path)
     vocab = write_tokenizer(path)
     types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     cfg = {
-        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size": hidden,
-        "num_hidden_layers": layers, "intermediate_size": intermediate, "num_attention_heads": heads,
-        "head_dim": head_dim, "global_head_dim": head_dim, "num_key_value_heads": 1,
-        "num_global_key_value_heads": 1, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
-        "hidden_size_per_layer_input": 0, "vocab_size": vocab, "vocab_size_per_layer_input": vocab,
-        "sliding_window": 512, "layer_types": types, "use_double_wide_mlp": False, "enable_moe_block": False,
-        "final_logit_softcapping": softcap, "tie_word_embeddings": True, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096, "eos_token_id": _eos(), "torch_dtype": "float32",
-        "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6,
-                                               "rope_type": "proportional"},
-                            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "head_dim": head_dim,
+        "global_head_dim": head_dim,
+        "num_key_value_heads": 1,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": False,
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0,
+        "vocab_size": vocab,
+        "vocab_size_per_layer_input": vocab,
+        "sliding_window": 512,
+        "layer_types": types,
+        "use_double_wide_mlp": False,
+        "enable_moe_block": False,
+        "final_logit_softcapping": softcap,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "eos_token_id": _eos(),
+        "torch_dtype": "float32",
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
     }
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     rng = np.random.default_rng(seed)
@@ -73,8 +99,12 @@ def write_gemma4_target(path, *, layers: int = 4, hidden: int = 64, heads: int =
         t[p + "mlp.gate_proj.weight"] = w(intermediate, hidden)
         t[p + "mlp.up_proj.weight"] = w(intermediate, hidden)
         t[p + "mlp.down_proj.weight"] = w(hidden, intermediate)
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"):
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             t[p + n + ".weight"] = (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
         t[p + "layer_scalar"] = np.array([1.0], np.float32)
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -87,8 +117,20 @@ def _target(target_dir: Path) -> tuple[dict, dict]:
     return cfg, load_file(str(Path(target_dir) / "model.safetensors"))
 
 
-def _layer_tensors(t: dict, rng, *, i: int, hidden: int, heads: int, kv: int, hd: int, inter: int,
-                   gemma: bool, k_eq_v: bool, std: float) -> None:
+def _layer_tensors(
+    t: dict,
+    rng,
+    *,
+    i: int,
+    hidden: int,
+    heads: int,
+    kv: int,
+    hd: int,
+    inter: int,
+    gemma: bool,
+    k_eq_v: bool,
+    std: float,
+) -> None:
     w = _rng_w(rng, std)
     p = f"layers.{i}."
     t[p + "self_attn.q_proj.weight"] = w(heads * hd, hidden)
@@ -109,12 +151,30 @@ def _layer_tensors(t: dict, rng, *, i: int, hidden: int, heads: int, kv: int, hd
         t[p + n + ".weight"] = (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
 
 
-def write_deepspec(path, target_dir, *, style: str = "qwen3", markov_rank: int = 32, confidence: bool = True,
-                   with_markov: bool = True, layers: int = 2, block: int = 7, taps=None, seed: int = 1,
-                   heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
-                   intermediate: int = 96, mask_token_id: int | None = None, std: float = 0.3,
-                   softcap: float | None = None, partial: float = 0.25, config_overrides: dict | None = None,
-                   drop: tuple[str, ...] = (), tensors: dict | None = None) -> Path:
+def write_deepspec(
+    path,
+    target_dir,
+    *,
+    style: str = "qwen3",
+    markov_rank: int = 32,
+    confidence: bool = True,
+    with_markov: bool = True,
+    layers: int = 2,
+    block: int = 7,
+    taps=None,
+    seed: int = 1,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate: int = 96,
+    mask_token_id: int | None = None,
+    std: float = 0.3,
+    softcap: float | None = None,
+    partial: float = 0.25,
+    config_overrides: dict | None = None,
+    drop: tuple[str, ...] = (),
+    tensors: dict | None = None,
+) -> Path:
     """A DeepSpec DSpark (markov_rank > 0) or DFlash (markov_rank 0, confidence False) checkpoint."""
     path = _fresh(path)
     tcfg, tw = _target(target_dir)
@@ -127,26 +187,51 @@ def write_deepspec(path, target_dir, *, style: str = "qwen3", markov_rank: int =
     mask = mask_token_id if mask_token_id is not None else V - 1
     rng = np.random.default_rng(seed)
     cfg = dict(tcfg)
-    cfg.update({
-        "architectures": ["Gemma4DSparkModel" if gemma else "Qwen3DSparkModel"],
-        "num_target_layers": L_t, "num_hidden_layers": layers, "layer_types": ["full_attention"] * layers,
-        "block_size": block, "mask_token_id": mask, "target_layer_ids": taps, "num_anchors": 512,
-        "tie_word_embeddings": False, "enable_confidence_head": bool(confidence), "intermediate_size": intermediate,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
-    })
+    cfg.update(
+        {
+            "architectures": ["Gemma4DSparkModel" if gemma else "Qwen3DSparkModel"],
+            "num_target_layers": L_t,
+            "num_hidden_layers": layers,
+            "layer_types": ["full_attention"] * layers,
+            "block_size": block,
+            "mask_token_id": mask,
+            "target_layer_ids": taps,
+            "num_anchors": 512,
+            "tie_word_embeddings": False,
+            "enable_confidence_head": bool(confidence),
+            "intermediate_size": intermediate,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "head_dim": hd,
+        }
+    )
     if confidence:
         cfg["confidence_head_with_markov"] = bool(with_markov)
     cfg["markov_rank"] = markov_rank
     if markov_rank > 0:
         cfg["markov_head_type"] = "vanilla"
     if gemma:
-        cfg.update({"model_type": "gemma4_text", "target_model_type": "gemma4", "target_text_model_type": "gemma4_text",
-                    "global_head_dim": hd, "num_global_key_value_heads": kv, "attention_k_eq_v": True,
-                    "final_logit_softcapping": softcap if softcap is not None else 30.0,
-                    "rope_parameters": {"full_attention": {"partial_rotary_factor": partial, "rope_type": "proportional",
-                                                           "rope_theta": 1e6},
-                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000},
-                                        "rope_theta": None, "rope_type": "default"}})
+        cfg.update(
+            {
+                "model_type": "gemma4_text",
+                "target_model_type": "gemma4",
+                "target_text_model_type": "gemma4_text",
+                "global_head_dim": hd,
+                "num_global_key_value_heads": kv,
+                "attention_k_eq_v": True,
+                "final_logit_softcapping": softcap if softcap is not None else 30.0,
+                "rope_parameters": {
+                    "full_attention": {
+                        "partial_rotary_factor": partial,
+                        "rope_type": "proportional",
+                        "rope_theta": 1e6,
+                    },
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000},
+                    "rope_theta": None,
+                    "rope_type": "default",
+                },
+            }
+        )
     else:
         cfg["model_type"] = "qwen3"
         cfg["rope_parameters"] = {"rope_theta": 1e6, "rope_type": "default"}
@@ -157,15 +242,22 @@ def write_deepspec(path, target_dir, *, style: str = "qwen3", markov_rank: int =
     w = _rng_w(rng, std)
     emb = tw.get("model.embed_tokens.weight")
     head = tw.get("lm_head.weight", emb)
-    t = {"embed_tokens.weight": emb.copy(), "lm_head.weight": head.copy(),
-         "fc.weight": w(H, len(taps) * H), "hidden_norm.weight": (1 + 0.1 * rng.standard_normal(H)).astype(np.float32),
-         "norm.weight": (1 + 0.1 * rng.standard_normal(H)).astype(np.float32)}
+    t = {
+        "embed_tokens.weight": emb.copy(),
+        "lm_head.weight": head.copy(),
+        "fc.weight": w(H, len(taps) * H),
+        "hidden_norm.weight": (1 + 0.1 * rng.standard_normal(H)).astype(np.float32),
+        "norm.weight": (1 + 0.1 * rng.standard_normal(H)).astype(np.float32),
+    }
     for i in range(layers):
-        _layer_tensors(t, rng, i=i, hidden=H, heads=heads, kv=kv, hd=hd, inter=intermediate, gemma=gemma,
-                       k_eq_v=gemma, std=std)
+        _layer_tensors(
+            t, rng, i=i, hidden=H, heads=heads, kv=kv, hd=hd, inter=intermediate, gemma=gemma, k_eq_v=gemma, std=std
+        )
     if markov_rank > 0:
         t["markov_head.markov_w1.weight"] = (rng.standard_normal((V, markov_rank))).astype(np.float32)
-        t["markov_head.markov_w2.weight"] = (rng.standard_normal((V, markov_rank)) * 0.5 / np.sqrt(markov_rank)).astype(np.float32)
+        t["markov_head.markov_w2.weight"] = (rng.standard_normal((V, markov_rank)) * 0.5 / np.sqrt(markov_rank)).astype(
+            np.float32
+        )
     if confidence:
         dim = H + (markov_rank if with_markov and markov_rank else 0)
         t["confidence_head.proj.weight"] = (rng.standard_normal((1, dim)) / np.sqrt(dim)).astype(np.float32)
@@ -177,10 +269,22 @@ def write_deepspec(path, target_dir, *, style: str = "qwen3", markov_rank: int =
     return path
 
 
-def write_zlab(path, target_dir, *, layers: int = 2, block: int | None = 16, taps=None, seed: int = 2,
-               mask_token_id: int | None = None, std: float = 0.3, with_code: bool = True,
-               nested: bool = True, config_overrides: dict | None = None, tensors: dict | None = None,
-               extra_files: dict | None = None) -> Path:
+def write_zlab(
+    path,
+    target_dir,
+    *,
+    layers: int = 2,
+    block: int | None = 16,
+    taps=None,
+    seed: int = 2,
+    mask_token_id: int | None = None,
+    std: float = 0.3,
+    with_code: bool = True,
+    nested: bool = True,
+    config_overrides: dict | None = None,
+    tensors: dict | None = None,
+    extra_files: dict | None = None,
+) -> Path:
     """A z-lab DFlash checkpoint (DFlashDraftModel, dflash_config, no embed/lm_head)."""
     path = _fresh(path)
     tcfg, _ = _target(target_dir)
@@ -189,9 +293,20 @@ def write_zlab(path, target_dir, *, layers: int = 2, block: int | None = 16, tap
     heads, kv, hd, inter = 4, 2, 16, 96
     mask = mask_token_id if mask_token_id is not None else V - 1
     cfg = dict(tcfg)
-    cfg.update({"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": layers,
-                "num_target_layers": L_t, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
-                "intermediate_size": inter, "rope_theta": 1e6, "layer_types": ["full_attention"] * layers})
+    cfg.update(
+        {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "num_hidden_layers": layers,
+            "num_target_layers": L_t,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "head_dim": hd,
+            "intermediate_size": inter,
+            "rope_theta": 1e6,
+            "layer_types": ["full_attention"] * layers,
+        }
+    )
     dcfg = {"mask_token_id": mask, "target_layer_ids": taps}
     cfg.pop("block_size", None)
     if block is None:
@@ -211,10 +326,15 @@ def write_zlab(path, target_dir, *, layers: int = 2, block: int | None = 16, tap
         (path / name).write_text(text)
     rng = np.random.default_rng(seed)
     w = _rng_w(rng, std)
-    t = {"fc.weight": w(H, len(taps) * H), "hidden_norm.weight": np.ones(H, np.float32),
-         "norm.weight": np.ones(H, np.float32)}
+    t = {
+        "fc.weight": w(H, len(taps) * H),
+        "hidden_norm.weight": np.ones(H, np.float32),
+        "norm.weight": np.ones(H, np.float32),
+    }
     for i in range(layers):
-        _layer_tensors(t, rng, i=i, hidden=H, heads=heads, kv=kv, hd=hd, inter=inter, gemma=False, k_eq_v=False, std=std)
+        _layer_tensors(
+            t, rng, i=i, hidden=H, heads=heads, kv=kv, hd=hd, inter=inter, gemma=False, k_eq_v=False, std=std
+        )
     t.update(tensors or {})
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
@@ -240,8 +360,9 @@ def write_perm_target(path, *, layers: int = 3, seed: int = 5) -> tuple[Path, np
     """A qwen3 target whose greedy next token is f(current token) exactly, for every token
     outside {eos, mask}: attention and MLP outputs are zero (o_proj = down_proj = 0), so the
     final hidden is the normed embedding, and lm_head row f(t) is token t's identity vector."""
-    path = write_model(path, "qwen3", layers=layers, hidden=64, heads=4, kv_heads=2, intermediate=128,
-                       tie=False, seed=seed)
+    path = write_model(
+        path, "qwen3", layers=layers, hidden=64, heads=4, kv_heads=2, intermediate=128, tie=False, seed=seed
+    )
     cfg = json.loads((path / "config.json").read_text())
     V = cfg["vocab_size"]
     t = load_file(str(path / "model.safetensors"))
@@ -268,8 +389,9 @@ def write_perm_target(path, *, layers: int = 3, seed: int = 5) -> tuple[Path, np
     return path, f
 
 
-def write_perm_dspark(path, target_dir, f: np.ndarray, *, rank: int = 48, block: int = 7, seed: int = 6,
-                      conf_bias: float = 6.0) -> Path:
+def write_perm_dspark(
+    path, target_dir, f: np.ndarray, *, rank: int = 48, block: int = 7, seed: int = 6, conf_bias: float = 6.0
+) -> Path:
     """A DSpark drafter whose Markov head encodes f: U = 0 (zero lm_head) and W2 . W1[t] peaks
     at f(t), so sequential Markov sampling drafts f(a), f(f(a)), ... exactly (a parallel,
     non-sequential use of the head would draft f(a) in every slot)."""
@@ -280,10 +402,13 @@ def write_perm_dspark(path, target_dir, f: np.ndarray, *, rank: int = 48, block:
     normal = np.flatnonzero(f >= 0)
     w2 = np.zeros((V, rank), np.float32)
     w2[f[normal]] = u[normal] * 10.0  # row f(t) = u_t
-    tensors = {"markov_head.markov_w1.weight": u, "markov_head.markov_w2.weight": w2,
-               "lm_head.weight": np.zeros((V, 64), np.float32),
-               "confidence_head.proj.weight": np.zeros((1, 64 + rank), np.float32),
-               "confidence_head.proj.bias": np.array([conf_bias], np.float32)}
+    tensors = {
+        "markov_head.markov_w1.weight": u,
+        "markov_head.markov_w2.weight": w2,
+        "lm_head.weight": np.zeros((V, 64), np.float32),
+        "confidence_head.proj.weight": np.zeros((1, 64 + rank), np.float32),
+        "confidence_head.proj.bias": np.array([conf_bias], np.float32),
+    }
     return write_deepspec(path, target_dir, markov_rank=rank, block=block, seed=seed, tensors=tensors)
 
 
@@ -365,7 +490,11 @@ def workspace() -> dict:
     tg = write_gemma4_target(root / "target-gemma4", seed=4)
     tp, f = write_perm_target(root / "target-perm")
     _WORKSPACE.update(
-        root=root, target_qwen3=tq, target_gemma4=tg, target_perm=tp, perm=f,
+        root=root,
+        target_qwen3=tq,
+        target_gemma4=tg,
+        target_perm=tp,
+        perm=f,
         dspark_qwen3=write_deepspec(root / "dspark-qwen3", tq),
         dspark_gemma4=write_deepspec(root / "dspark-gemma4", tg, style="gemma4", softcap=1.0),
         dflash_deepspec=write_deepspec(root / "dflash-deepspec", tq, markov_rank=0, confidence=False),
@@ -396,7 +525,9 @@ def write_perm_dspark_noisy(path, target_dir, f: np.ndarray, *, noise: float = 8
     t = load_file(str(p / "model.safetensors"))
     rng = np.random.default_rng(seed)
     w2 = t["markov_head.markov_w2.weight"]
-    t["markov_head.markov_w2.weight"] = (w2 + noise * rng.standard_normal(w2.shape) / np.sqrt(w2.shape[1])).astype(np.float32)
+    t["markov_head.markov_w2.weight"] = (w2 + noise * rng.standard_normal(w2.shape) / np.sqrt(w2.shape[1])).astype(
+        np.float32
+    )
     save_file(t, str(p / "model.safetensors"), metadata={"format": "pt"})
     return p
 

@@ -13,8 +13,18 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-MUTATIONS_GEMMA = ("full_rope", "rope_first_dims", "no_v_norm", "v_from_normed_k", "attn_scale_hd",
-                   "softcap_after_bias", "no_embed_scale", "plus_one_norm", "no_layer_scalar", "no_sandwich")
+MUTATIONS_GEMMA = (
+    "full_rope",
+    "rope_first_dims",
+    "no_v_norm",
+    "v_from_normed_k",
+    "attn_scale_hd",
+    "softcap_after_bias",
+    "no_embed_scale",
+    "plus_one_norm",
+    "no_layer_scalar",
+    "no_sandwich",
+)
 
 
 def _bf16(x: float) -> float:
@@ -64,7 +74,9 @@ class Reference:
             self.w["lm_head.weight"] = tw.get("lm_head.weight", tw["model.embed_tokens.weight"])
             tcfg = json.loads((Path(target_dir) / "config.json").read_text())
             # the target's embedding as its own forward computes it (Gemma: x bf16(sqrt(H)))
-            self.zlab_embed_scale = _bf16(np.sqrt(tcfg["hidden_size"])) if tcfg["model_type"].startswith("gemma") else 1.0
+            self.zlab_embed_scale = (
+                _bf16(np.sqrt(tcfg["hidden_size"])) if tcfg["model_type"].startswith("gemma") else 1.0
+            )
             d = c["dflash_config"]
             self.block, self.mask = d.get("block_size", c.get("block_size")), d["mask_token_id"]
         else:

@@ -57,36 +57,89 @@ def _qwen_hybrid(family, vocab, eos, rng, *, layers, hidden, moe):
     hk, dk, hv, dv, kernel = 2, 16, 4, 16, 4
     w = _weights(rng, 0.3)
     text = {
-        "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": inter,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "rms_norm_eps": 1e-6,
-        "vocab_size": vocab, "max_position_embeddings": 4096, "linear_num_value_heads": hv,
-        "linear_num_key_heads": hk, "linear_key_head_dim": dk, "linear_value_head_dim": dv,
-        "linear_conv_kernel_dim": kernel, "full_attention_interval": 2, "tie_word_embeddings": False,
-        "attention_bias": False, "eos_token_id": eos, "torch_dtype": "float32",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "linear_num_value_heads": hv,
+        "linear_num_key_heads": hk,
+        "linear_key_head_dim": dk,
+        "linear_value_head_dim": dv,
+        "linear_conv_kernel_dim": kernel,
+        "full_attention_interval": 2,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
     }
     if moe:
-        text.update({"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
-                     "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64,
-                     "norm_topk_prob": True, "mlp_only_layers": []})
+        text.update(
+            {
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "decoder_sparse_step": 1,
+                "moe_intermediate_size": 48,
+                "shared_expert_intermediate_size": 64,
+                "norm_topk_prob": True,
+                "mlp_only_layers": [],
+            }
+        )
     if family == "qwen3_next":
-        cfg = dict(text, model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"],
-                   rope_theta=10000.0, partial_rotary_factor=0.25)
+        cfg = dict(
+            text,
+            model_type="qwen3_next",
+            architectures=["Qwen3NextForCausalLM"],
+            rope_theta=10000.0,
+            partial_rotary_factor=0.25,
+        )
         prefix = "model."
     else:
-        text.update(model_type=family + "_text",
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                                     "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+        text.update(
+            model_type=family + "_text",
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
+            },
+        )
         arch = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
-        cfg = {"architectures": [arch], "model_type": family, "text_config": text,
-               "tie_word_embeddings": False, "eos_token_id": eos, "torch_dtype": "float32"}
+        cfg = {
+            "architectures": [arch],
+            "model_type": family,
+            "text_config": text,
+            "tie_word_embeddings": False,
+            "eos_token_id": eos,
+            "torch_dtype": "float32",
+        }
         prefix = "model.language_model."
-    t = {prefix + "embed_tokens.weight": w(vocab, hidden, s=1.0), prefix + "norm.weight": _zero_centred(rng, hidden),
-         "lm_head.weight": w(vocab, hidden)}
+    t = {
+        prefix + "embed_tokens.weight": w(vocab, hidden, s=1.0),
+        prefix + "norm.weight": _zero_centred(rng, hidden),
+        "lm_head.weight": w(vocab, hidden),
+    }
     for i in range(layers):
         p = f"{prefix}layers.{i}."
         if (i + 1) % text["full_attention_interval"]:
-            _gdn(t, p + "linear_attn.", w, rng, hidden=hidden, hk=hk, dk=dk, hv=hv, dv=dv, kernel=kernel,
-                 packed_qkvz=family == "qwen3_next")
+            _gdn(
+                t,
+                p + "linear_attn.",
+                w,
+                rng,
+                hidden=hidden,
+                hk=hk,
+                dk=dk,
+                hv=hv,
+                dv=dv,
+                kernel=kernel,
+                packed_qkvz=family == "qwen3_next",
+            )
         else:
             t[p + "self_attn.q_proj.weight"] = w(2 * heads * hd, hidden)  # queries and their gate
             t[p + "self_attn.k_proj.weight"] = w(kv * hd, hidden)
@@ -122,12 +175,26 @@ def _qwen_hybrid(family, vocab, eos, rng, *, layers, hidden, moe):
 def _gemma3(vocab, eos, rng, *, layers, hidden, window):
     heads, kv, hd, inter = 2, 1, 32, 128
     w = _weights(rng, 0.3)
-    cfg = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": hidden,
-           "num_hidden_layers": layers, "intermediate_size": inter, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "head_dim": hd, "query_pre_attn_scalar": hd, "rms_norm_eps": 1e-6,
-           "vocab_size": vocab, "sliding_window": window, "sliding_window_pattern": 2,
-           "rope_theta": 1e6, "rope_local_base_freq": 10000.0, "max_position_embeddings": 4096,
-           "eos_token_id": eos, "torch_dtype": "float32"}
+    cfg = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "query_pre_attn_scalar": hd,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "sliding_window": window,
+        "sliding_window_pattern": 2,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 10000.0,
+        "max_position_embeddings": 4096,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
     t = {"model.embed_tokens.weight": w(vocab, hidden, s=0.1), "model.norm.weight": _zero_centred(rng, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -140,8 +207,12 @@ def _gemma3(vocab, eos, rng, *, layers, hidden, window):
         t[p + "mlp.gate_proj.weight"] = w(inter, hidden)
         t[p + "mlp.up_proj.weight"] = w(inter, hidden)
         t[p + "mlp.down_proj.weight"] = w(hidden, inter)
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"):
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             t[p + n + ".weight"] = _zero_centred(rng, hidden)
     return cfg, t
 
@@ -149,15 +220,35 @@ def _gemma3(vocab, eos, rng, *, layers, hidden, window):
 def _qwen3_moe(vocab, eos, rng, *, layers, hidden):
     heads, kv, hd, E, mi = 4, 2, 16, 4, 64
     w = _weights(rng, 0.3)
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
-           "num_hidden_layers": layers, "intermediate_size": 128, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "head_dim": hd, "num_experts": E, "num_experts_per_tok": 2,
-           "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": mi, "rms_norm_eps": 1e-6,
-           "vocab_size": vocab, "rope_theta": 10000.0, "tie_word_embeddings": False,
-           "max_position_embeddings": 4096, "norm_topk_prob": True, "eos_token_id": eos, "torch_dtype": "float32"}
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": 128,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "num_experts": E,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": mi,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+        "norm_topk_prob": True,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
     ones = lambda n: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
-    t = {"model.embed_tokens.weight": w(vocab, hidden, s=1.0), "model.norm.weight": ones(hidden),
-         "lm_head.weight": w(vocab, hidden)}
+    t = {
+        "model.embed_tokens.weight": w(vocab, hidden, s=1.0),
+        "model.norm.weight": ones(hidden),
+        "lm_head.weight": w(vocab, hidden),
+    }
     for i in range(layers):
         p = f"model.layers.{i}."
         t[p + "self_attn.q_proj.weight"] = w(heads * hd, hidden)
@@ -176,13 +267,13 @@ def _qwen3_moe(vocab, eos, rng, *, layers, hidden):
     return cfg, t
 
 
-def write_family(path, family: str, *, layers: int = 4, hidden: int = 64, seed: int = 0,
-                 window: int = 8, vocab_size: int = 384) -> Path:
+def write_family(
+    path, family: str, *, layers: int = 4, hidden: int = 64, seed: int = 0, window: int = 8, vocab_size: int = 384
+) -> Path:
     """A random `family` model (see FAMILIES) in its HF layout, tokenizer included.
     `window` is gemma3_text's sliding window (short, so conversations run past it)."""
-    from safetensors.numpy import save_file
-
     from fixtures import _trained_tokenizer_json, write_tokenizer
+    from safetensors.numpy import save_file
 
     if family not in FAMILIES:
         raise ValueError(family)
@@ -197,8 +288,9 @@ def write_family(path, family: str, *, layers: int = 4, hidden: int = 64, seed: 
     elif family == "qwen3_moe":
         cfg, t = _qwen3_moe(vocab, eos, rng, layers=layers, hidden=hidden)
     else:
-        cfg, t = _qwen_hybrid(family, vocab, eos, rng, layers=layers, hidden=hidden,
-                              moe=family in ("qwen3_5_moe", "qwen3_next"))
+        cfg, t = _qwen_hybrid(
+            family, vocab, eos, rng, layers=layers, hidden=hidden, moe=family in ("qwen3_5_moe", "qwen3_next")
+        )
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path

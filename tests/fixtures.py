@@ -38,14 +38,14 @@ CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n"
     "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{%- endif %}"
     "# Tools\n<tools>\n{%- for tool in tools %}{{ tool | tojson }}\n{%- endfor %}</tools>\n"
-    "Call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    'Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
     "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'system' %}"
-    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"  # noqa: E501
     "{%- elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}"
-    "{%- for tc in message.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ tc.function.name }}\", \"arguments\": "
-    "{{ tc.function.arguments | tojson if tc.function.arguments is not string else tc.function.arguments }}}\n</tool_call>"
+    '{%- for tc in message.tool_calls or [] %}<tool_call>\n{"name": "{{ tc.function.name }}", "arguments": '
+    "{{ tc.function.arguments | tojson if tc.function.arguments is not string else tc.function.arguments }}}\n</tool_call>"  # noqa: E501
     "{%- endfor %}<|im_end|>\n"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}"
@@ -61,8 +61,12 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
     return tok.to_str()
 
@@ -88,8 +92,9 @@ def write_tokenizer(path: Path, vocab_size: int = 384) -> int:
     return n
 
 
-def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_heads: int,
-            intermediate: int, tie: bool, eos: int) -> dict:
+def _config(
+    family: str, vocab: int, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, tie: bool, eos: int
+) -> dict:
     head_dim = hidden // heads
     cfg = {
         "architectures": ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"],
@@ -111,9 +116,21 @@ def _config(family: str, vocab: int, layers: int, hidden: int, heads: int, kv_he
     return cfg
 
 
-def write_model(path: Path, family: str = "qwen3", *, layers: int = 4, hidden: int = 64, heads: int = 4,
-                kv_heads: int = 2, intermediate: int = 128, tie: bool = True, seed: int = 0,
-                vocab_size: int = 384, scale: float = 1.0, model_vocab: int = 0) -> Path:
+def write_model(
+    path: Path,
+    family: str = "qwen3",
+    *,
+    layers: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    tie: bool = True,
+    seed: int = 0,
+    vocab_size: int = 384,
+    scale: float = 1.0,
+    model_vocab: int = 0,
+) -> Path:
     """A random model of `family` (qwen3 | llama; the hybrid and sliding-window families of
     family_fixtures.py by name) in the HF layout, tokenizer included.
 
@@ -148,8 +165,18 @@ def write_model(path: Path, family: str = "qwen3", *, layers: int = 4, hidden: i
     return path
 
 
-def add_layer_tensors(t: dict, i: int, family: str, w, *, hidden: int, heads: int, kv_heads: int,
-                      intermediate: int, std: dict | None = None) -> None:
+def add_layer_tensors(
+    t: dict,
+    i: int,
+    family: str,
+    w,
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    std: dict | None = None,
+) -> None:
     """HF llama / qwen3 decoder layer i into t; w(*shape) draws a matrix (w(*shape, std=...) for
     the projections named in `std`: q k v o gate up down), always in the same order."""
     hd = hidden // heads

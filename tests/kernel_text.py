@@ -6,22 +6,48 @@ from __future__ import annotations
 
 from mlx_dspark.kernels.gpu_source import Instance
 
-
 METAL_ATTRIBUTES = (  # mlx/backend/common/metal_kernel.cpp, in MLX's order
-    ("dispatch_quadgroups_per_threadgroup", "uint"), ("dispatch_simdgroups_per_threadgroup", "uint"),
-    ("dispatch_threads_per_threadgroup", "uint3"), ("grid_origin", "uint3"), ("grid_size", "uint3"),
-    ("quadgroup_index_in_threadgroup", "uint"), ("quadgroups_per_threadgroup", "uint"),
-    ("simdgroup_index_in_threadgroup", "uint"), ("simdgroups_per_threadgroup", "uint"),
-    ("thread_execution_width", "uint"), ("thread_index_in_quadgroup", "uint"),
-    ("thread_index_in_simdgroup", "uint"), ("thread_index_in_threadgroup", "uint"),
-    ("thread_position_in_grid", "uint3"), ("thread_position_in_threadgroup", "uint3"),
-    ("threadgroup_position_in_grid", "uint3"), ("threadgroups_per_grid", "uint3"),
-    ("threads_per_grid", "uint3"), ("threads_per_simdgroup", "uint"), ("threads_per_threadgroup", "uint3"),
+    ("dispatch_quadgroups_per_threadgroup", "uint"),
+    ("dispatch_simdgroups_per_threadgroup", "uint"),
+    ("dispatch_threads_per_threadgroup", "uint3"),
+    ("grid_origin", "uint3"),
+    ("grid_size", "uint3"),
+    ("quadgroup_index_in_threadgroup", "uint"),
+    ("quadgroups_per_threadgroup", "uint"),
+    ("simdgroup_index_in_threadgroup", "uint"),
+    ("simdgroups_per_threadgroup", "uint"),
+    ("thread_execution_width", "uint"),
+    ("thread_index_in_quadgroup", "uint"),
+    ("thread_index_in_simdgroup", "uint"),
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threadgroups_per_grid", "uint3"),
+    ("threads_per_grid", "uint3"),
+    ("threads_per_simdgroup", "uint"),
+    ("threads_per_threadgroup", "uint3"),
 )
-METAL_TYPES = {"float32": "float", "float16": "half", "bfloat16": "bfloat16_t", "int32": "int",
-               "uint32": "uint", "bool": "bool", "int64": "int64_t", "uint8": "uint8_t"}
-CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int32_t",
-              "uint32": "uint32_t", "bool": "bool", "int64": "int64_t", "uint8": "uint8_t"}
+METAL_TYPES = {
+    "float32": "float",
+    "float16": "half",
+    "bfloat16": "bfloat16_t",
+    "int32": "int",
+    "uint32": "uint",
+    "bool": "bool",
+    "int64": "int64_t",
+    "uint8": "uint8_t",
+}
+CUDA_TYPES = {
+    "float32": "float",
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "int32": "int32_t",
+    "uint32": "uint32_t",
+    "bool": "bool",
+    "int64": "int64_t",
+    "uint8": "uint8_t",
+}
 
 
 def _tmpl_value(v) -> str:
@@ -30,8 +56,9 @@ def _tmpl_value(v) -> str:
     return str(v)
 
 
-def metal_kernel_text(inst: Instance, inputs: list[tuple[str, int, int]], outputs: list[str],
-                      template: list[tuple[str, object]] = ()) -> str:
+def metal_kernel_text(
+    inst: Instance, inputs: list[tuple[str, int, int]], outputs: list[str], template: list[tuple[str, object]] = ()
+) -> str:
     """The Metal source `mx.fast.metal_kernel` compiles for `inst` (minus MLX's utils prefix).
 
     inputs: (dtype name, ndim, size) per input; outputs: dtype name per output;
@@ -50,8 +77,11 @@ def metal_kernel_text(inst: Instance, inputs: list[tuple[str, int, int]], output
         params.append(f"  const {loc} {METAL_TYPES[dt]}{'&' if nd == 0 else '*'} {n} [[buffer({idx})]]")
         idx += 1
         if nd > 0:
-            for suf, ty in (("_shape", "const constant int*"), ("_strides", "const constant int64_t*"),
-                            ("_ndim", "const constant int&")):
+            for suf, ty in (
+                ("_shape", "const constant int*"),
+                ("_strides", "const constant int64_t*"),
+                ("_ndim", "const constant int&"),
+            ):
                 if n + suf in src:
                     params.append(f"  {ty} {n}{suf} [[buffer({idx})]]")
                     idx += 1
@@ -61,14 +91,14 @@ def metal_kernel_text(inst: Instance, inputs: list[tuple[str, int, int]], output
     params += [f"  {ty} {a} [[{a}]]" for a, ty in METAL_ATTRIBUTES if a in src]
     s += ",\n".join(params) + ") {\n" + src + "\n}\n"
     if template:
-        targs = "<" + ", ".join(_tmpl_value(v) if not isinstance(v, str) else METAL_TYPES[v]
-                                for _, v in template) + ">"
+        targs = "<" + ", ".join(_tmpl_value(v) if not isinstance(v, str) else METAL_TYPES[v] for _, v in template) + ">"
         s += f'\ntemplate [[host_name("{name}")]] [[kernel]] decltype({name}{targs}) {name}{targs};\n'
     return s
 
 
-def cuda_kernel_text(inst: Instance, inputs: list[tuple[str, int]], outputs: list[str],
-                     template: list[tuple[str, object]] = ()) -> str:
+def cuda_kernel_text(
+    inst: Instance, inputs: list[tuple[str, int]], outputs: list[str], template: list[tuple[str, object]] = ()
+) -> str:
     """The CUDA source `mx.fast.cuda_kernel` compiles for `inst` (minus MLX's default header),
     as build_kernel() in mlx/backend/cuda/custom_kernel.cpp writes it."""
     src = inst.source
@@ -78,8 +108,11 @@ def cuda_kernel_text(inst: Instance, inputs: list[tuple[str, int]], outputs: lis
     for n, (dt, nd) in zip(inst.input_names, inputs):
         params.append(f"    const {CUDA_TYPES[dt]}* {n}")
         if nd > 0:
-            for suf, ty in (("_shape", "const __grid_constant__ Shape"), ("_strides", "const __grid_constant__ Strides"),
-                            ("_ndim", "const __grid_constant__ int")):
+            for suf, ty in (
+                ("_shape", "const __grid_constant__ Shape"),
+                ("_strides", "const __grid_constant__ Strides"),
+                ("_ndim", "const __grid_constant__ int"),
+            ):
                 if n + suf in src:
                     params.append(f"    {ty} {n}{suf}")
     params += [f"    {CUDA_TYPES[dt]}* {n}" for n, dt in zip(inst.output_names, outputs)]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
 from fixtures import add_layer_tensors
+
 from mlx_dspark.decode.sampled import sample_from
 
 VOCAB = 16
@@ -25,7 +25,10 @@ RESIDUAL_EPS = 1e-8  # residual mass below this: the bonus comes from p_a
 def write_tokenizer16(path: Path) -> None:
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = {
-        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
         "normalizer": None,
         "pre_tokenizer": {"type": "WhitespaceSplit"},
         "post_processor": None,
@@ -33,13 +36,30 @@ def write_tokenizer16(path: Path) -> None:
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
     }
     (path / "tokenizer.json").write_text(json.dumps(tok))
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "t15", "unk_token": "t0",
-           "bos_token": None, "pad_token": None, "add_bos_token": False, "model_max_length": 512}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "t15",
+        "unk_token": "t0",
+        "bos_token": None,
+        "pad_token": None,
+        "add_bos_token": False,
+        "model_max_length": 512,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
 
 
-def write_model16(path: Path, family: str = "llama", *, seed: int = 0, layers: int = 2, hidden: int = 32,
-                  heads: int = 2, kv_heads: int = 1, intermediate: int = 64, logit_std: float = 1.6) -> Path:
+def write_model16(
+    path: Path,
+    family: str = "llama",
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 32,
+    heads: int = 2,
+    kv_heads: int = 1,
+    intermediate: int = 64,
+    logit_std: float = 1.6,
+) -> Path:
     """A random `family` (llama | qwen3) model with vocab 16; returns its folder."""
     from safetensors.numpy import save_file
 
@@ -51,10 +71,19 @@ def write_model16(path: Path, family: str = "llama", *, seed: int = 0, layers: i
     hd = hidden // heads
     cfg = {
         "architectures": ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"],
-        "model_type": family, "hidden_size": hidden, "num_hidden_layers": layers,
-        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": hd, "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "max_position_embeddings": 512,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": VOCAB - 1,
+        "model_type": family,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": hd,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "eos_token_id": VOCAB - 1,
         "torch_dtype": "float32",
     }
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
@@ -63,14 +92,25 @@ def write_model16(path: Path, family: str = "llama", *, seed: int = 0, layers: i
     def w(*shape, std):
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    t = {"model.embed_tokens.weight": w(VOCAB, hidden, std=1.0),
-         "model.norm.weight": np.ones(hidden, np.float32),
-         "lm_head.weight": w(VOCAB, hidden, std=logit_std / np.sqrt(hidden))}
+    t = {
+        "model.embed_tokens.weight": w(VOCAB, hidden, std=1.0),
+        "model.norm.weight": np.ones(hidden, np.float32),
+        "lm_head.weight": w(VOCAB, hidden, std=logit_std / np.sqrt(hidden)),
+    }
     s = 1.0 / np.sqrt(hidden)
-    std = {"q": 3 * s, "k": 3 * s, "v": 2 * s, "o": 2 * s, "gate": 2 * s, "up": 2 * s, "down": 2 / np.sqrt(intermediate)}
+    std = {
+        "q": 3 * s,
+        "k": 3 * s,
+        "v": 2 * s,
+        "o": 2 * s,
+        "gate": 2 * s,
+        "up": 2 * s,
+        "down": 2 / np.sqrt(intermediate),
+    }
     for i in range(layers):
-        add_layer_tensors(t, i, family, w, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate,
-                          std=std)
+        add_layer_tensors(
+            t, i, family, w, hidden=hidden, heads=heads, kv_heads=kv_heads, intermediate=intermediate, std=std
+        )
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
@@ -210,8 +250,9 @@ def gof_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return chi2_sf(stat, len(e) - 1)
 
 
-def float_cdf_accept(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array,
-                     u_bonus: mx.array) -> tuple[mx.array, mx.array]:
+def float_cdf_accept(
+    p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array, u_bonus: mx.array
+) -> tuple[mx.array, mx.array]:
     """Speculative-sampling accept, batched, the rule stated with a float CDF (a second statement
     of what kernels.sampling_accept does with an integer one). p [B, w, V], q [B, w-1, V] or None
     (one-hot drafts), draft [B, w-1] int32, u [B, w-1], u_bonus [B] -> (accepted [B], bonus [B])."""
@@ -221,7 +262,11 @@ def float_cdf_accept(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.arr
     draft = draft.astype(mx.int32).reshape(B, k)
     if k > 0:
         pd = mx.take_along_axis(p[:, :k], draft[..., None], axis=-1)[..., 0]
-        qd = mx.ones_like(pd) if q is None else mx.take_along_axis(q.astype(mx.float32), draft[..., None], axis=-1)[..., 0]
+        qd = (
+            mx.ones_like(pd)
+            if q is None
+            else mx.take_along_axis(q.astype(mx.float32), draft[..., None], axis=-1)[..., 0]
+        )
         ok = (u.astype(mx.float32).reshape(B, k) * qd < pd).astype(mx.int32)
         accepted = mx.sum(mx.cumprod(ok, axis=1), axis=1).astype(mx.int32)
     else:
@@ -229,8 +274,9 @@ def float_cdf_accept(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.arr
     return accepted, float_cdf_residual(p, q, draft, accepted, u_bonus)
 
 
-def float_cdf_residual(p: mx.array, q: mx.array | None, draft: mx.array, accepted: mx.array,
-                       u_bonus: mx.array) -> mx.array:
+def float_cdf_residual(
+    p: mx.array, q: mx.array | None, draft: mx.array, accepted: mx.array, u_bonus: mx.array
+) -> mx.array:
     """The token after `accepted` drafts: from normalize(max(p_a - q_a, 0)) (p_a when that mass
     is <= 1e-8), or from p_k when all k were accepted. Shapes as in float_cdf_accept."""
     B, w, V = p.shape

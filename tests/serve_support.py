@@ -16,7 +16,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-
 from fixtures import write_model
 
 
@@ -80,22 +79,38 @@ def free_port() -> int:
 class LiveServer:
     """An in-process server on a fixture model, on 127.0.0.1 and a free port."""
 
-    def __init__(self, model_dir: Path, *, api_key: str | None = None, max_body: int = 1 << 20,
-                 mode: str = "lookup", context_window: int | None = None, keepalive_s: float = 15.0,
-                 default_thinking=None, max_queue: int = 16):
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        api_key: str | None = None,
+        max_body: int = 1 << 20,
+        mode: str = "lookup",
+        context_window: int | None = None,
+        keepalive_s: float = 15.0,
+        default_thinking=None,
+        max_queue: int = 16,
+    ):
         from mlx_dspark.models.loading import load_target
         from mlx_dspark.serve.engine import Engine
         from mlx_dspark.serve.http import make_server
 
         self.target, self.tokenizer = load_target(str(model_dir))
         self.script = Script(self.target, self.tokenizer)
-        self.engine = Engine(self.target, self.tokenizer, mode=mode, context_window=context_window,
-                             default_thinking=default_thinking, default_max_tokens=64, max_queue=max_queue)
-        self.server = make_server(self.engine, "127.0.0.1", 0, api_key=api_key, max_body=max_body,
-                                  idle_timeout=10.0, keepalive_s=keepalive_s)
+        self.engine = Engine(
+            self.target,
+            self.tokenizer,
+            mode=mode,
+            context_window=context_window,
+            default_thinking=default_thinking,
+            default_max_tokens=64,
+            max_queue=max_queue,
+        )
+        self.server = make_server(
+            self.engine, "127.0.0.1", 0, api_key=api_key, max_body=max_body, idle_timeout=10.0, keepalive_s=keepalive_s
+        )
         self.engine.start()
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
         self.url = self.server.url
         self.port = self.server.port

@@ -10,8 +10,23 @@ from mlx_dspark.cli.main import main
 
 
 def _bench(model, capsys, *extra):
-    rc = main(["benchmark", "--model", str(model), "--mode", "lookup", "--prompts", "chat,copy", "--trials", "2",
-               "--max-new-tokens", "12", "--no-progress", *extra])
+    rc = main(
+        [
+            "benchmark",
+            "--model",
+            str(model),
+            "--mode",
+            "lookup",
+            "--prompts",
+            "chat,copy",
+            "--trials",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--no-progress",
+            *extra,
+        ]
+    )
     return rc, capsys.readouterr()
 
 
@@ -25,8 +40,11 @@ def test_json_is_device_stamped_with_ratios_per_class(model_dir, capsys):
     assert d["trials"] == 2 and d["mode"] == "lookup" and set(d["classes"]) == {"chat", "copy"}
     for c in d["classes"].values():
         assert c["baseline_tps"] > 0 and c["mode_tps"] > 0 and c["same_tokens"] is True
-        assert c["ratio"] == pytest.approx(c["prompts"][0]["tps"]["mode"] / c["prompts"][0]["tps"]["baseline"], rel=0.02) \
-            if len(c["prompts"]) == 1 else c["ratio"] > 0
+        assert (
+            c["ratio"] == pytest.approx(c["prompts"][0]["tps"]["mode"] / c["prompts"][0]["tps"]["baseline"], rel=0.02)
+            if len(c["prompts"]) == 1
+            else c["ratio"] > 0
+        )
         assert c["ratio_vs_mlx_lm"] > 0 and c["mlx_lm_tps"] > 0
     assert len(d["classes"]["chat"]["prompts"]) == 3  # the chat set has three prompts
 

@@ -12,10 +12,12 @@ import pytest
 
 from mlx_dspark import blas
 
-PROBE = ("import json, numpy, mlx.core as mx; from mlx_dspark import blas; from mlx_dspark.kernels import wide_gemm; "
-         "maps = open('/proc/self/maps').read().lower(); "
-         "print(json.dumps({'active': blas.active_blas(), 'wide': wide_gemm.policy()['enabled'], "
-         "'mapped': 'openblas' in maps}))")
+PROBE = (
+    "import json, numpy, mlx.core as mx; from mlx_dspark import blas; from mlx_dspark.kernels import wide_gemm; "
+    "maps = open('/proc/self/maps').read().lower(); "
+    "print(json.dumps({'active': blas.active_blas(), 'wide': wide_gemm.policy()['enabled'], "
+    "'mapped': 'openblas' in maps}))"
+)
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc are Linux's")
 

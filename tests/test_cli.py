@@ -10,8 +10,7 @@ import pytest
 
 
 def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "mlx_dspark", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "mlx_dspark", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +19,9 @@ def qwen(model_dir):
 
 
 def test_generate_json_and_flat_form_agree(qwen):
-    r = cli("generate", "--model", qwen, "--prompt", "hello world", "--max-new-tokens", "12", "--json",
-            "--mode", "baseline")
+    r = cli(
+        "generate", "--model", qwen, "--prompt", "hello world", "--max-new-tokens", "12", "--json", "--mode", "baseline"
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["tokens"]) == 12 and out["mode"] == "baseline" and out["model"] == qwen
@@ -34,7 +34,9 @@ def test_generate_json_and_flat_form_agree(qwen):
 
 def test_streamed_text_equals_json_text(qwen):
     r = cli("generate", "--model", qwen, "--prompt", "the fox", "--max-new-tokens", "16", "--mode", "baseline")
-    j = cli("generate", "--model", qwen, "--prompt", "the fox", "--max-new-tokens", "16", "--json", "--mode", "baseline")
+    j = cli(
+        "generate", "--model", qwen, "--prompt", "the fox", "--max-new-tokens", "16", "--json", "--mode", "baseline"
+    )
     assert r.returncode == 0 and j.returncode == 0
     assert r.stdout.rstrip("\n") == json.loads(j.stdout)["text"]
     assert "tok/s" in r.stderr
@@ -42,21 +44,27 @@ def test_streamed_text_equals_json_text(qwen):
 
 def test_no_chat_template_changes_the_prompt(qwen):
     a = json.loads(cli("generate", "--model", qwen, "--prompt", "hi", "--max-new-tokens", "2", "--json").stdout)
-    b = json.loads(cli("generate", "--model", qwen, "--prompt", "hi", "--max-new-tokens", "2", "--json",
-                       "--no-chat-template").stdout)
+    b = json.loads(
+        cli(
+            "generate", "--model", qwen, "--prompt", "hi", "--max-new-tokens", "2", "--json", "--no-chat-template"
+        ).stdout
+    )
     assert a["prompt_tokens"] > b["prompt_tokens"]
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--model", "/nonexistent/model", "--prompt", "hi"], "does not exist"),
-    (["--model", "{tmp}", "--prompt", "hi"], "not a model folder"),
-    (["--model", "{qwen}", "--prompt", ""], "prompt is empty"),
-    (["--model", "{qwen}", "--prompt", "   "], "prompt is empty"),
-    (["--model", "{qwen}", "--prompt", "hi", "--max-new-tokens", "0"], "at least 1"),
-    (["--model", "{qwen}", "--prompt", "hi", "--max-new-tokens", "-4"], "at least 1"),
-    (["--model", "{qwen}", "--prompt", "hi", "--mode", "dspark"], "drafter"),
-    (["--model", "{qwen}", "--prompt", "hi", "--temperature", "-1"], "temperature"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "/nonexistent/model", "--prompt", "hi"], "does not exist"),
+        (["--model", "{tmp}", "--prompt", "hi"], "not a model folder"),
+        (["--model", "{qwen}", "--prompt", ""], "prompt is empty"),
+        (["--model", "{qwen}", "--prompt", "   "], "prompt is empty"),
+        (["--model", "{qwen}", "--prompt", "hi", "--max-new-tokens", "0"], "at least 1"),
+        (["--model", "{qwen}", "--prompt", "hi", "--max-new-tokens", "-4"], "at least 1"),
+        (["--model", "{qwen}", "--prompt", "hi", "--mode", "dspark"], "drafter"),
+        (["--model", "{qwen}", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+    ],
+)
 def test_bad_input_gets_one_line_and_nonzero_exit(args, needle, qwen, tmp_path):
     args = [a.format(tmp=tmp_path, qwen=qwen) for a in args]
     r = cli("generate", *args)

@@ -14,13 +14,32 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from fixtures import write_model
 
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, tie=False, scale=1.0)
 # Small, fast settings shared by the runs below (greedy answers: deterministic data).
-FAST = ["--answer-tokens", "64", "--batch-size", "4", "--anchors", "16", "--layers", "1", "--markov-rank", "32",
-        "--temperature", "0", "--lr", "2e-3", "--eval-samples", "4", "--eval-max-tokens", "48", "--save-every", "0"]
+FAST = [
+    "--answer-tokens",
+    "64",
+    "--batch-size",
+    "4",
+    "--anchors",
+    "16",
+    "--layers",
+    "1",
+    "--markov-rank",
+    "32",
+    "--temperature",
+    "0",
+    "--lr",
+    "2e-3",
+    "--eval-samples",
+    "4",
+    "--eval-max-tokens",
+    "48",
+    "--save-every",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +49,9 @@ def tiny(tmp_path_factory) -> Path:
 
 def _cli(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "mlx_dspark", "distill", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", "distill", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 def _accept(out: Path) -> dict:
@@ -42,8 +62,9 @@ def _accept(out: Path) -> dict:
 @pytest.mark.slow
 def test_distill_raises_acceptance_above_a_random_drafter(tiny, tmp_path):
     trained, random_ = tmp_path / "trained", tmp_path / "random"
-    p = _cli(["--model", str(tiny), "--out", str(trained), "--steps", "250", "--export", str(tmp_path / "small"),
-              *FAST])
+    p = _cli(
+        ["--model", str(tiny), "--out", str(trained), "--steps", "250", "--export", str(tmp_path / "small"), *FAST]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "tok/s" in p.stderr and "ETA" in p.stderr  # the progress line
     # The same data, no training: the random-init drafter, through the same evaluation.
@@ -60,8 +81,14 @@ def test_distill_raises_acceptance_above_a_random_drafter(tiny, tmp_path):
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == 32
     assert cfg["enable_confidence_head"] and cfg["target_layer_ids"] == [0]
     names = set(mx.load(str(trained / "model.safetensors")))
-    assert {"embed_tokens.weight", "lm_head.weight", "fc.weight", "markov_head.markov_w1.weight",
-            "confidence_head.proj.weight", "layers.0.self_attn.q_proj.weight"} <= names
+    assert {
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "fc.weight",
+        "markov_head.markov_w1.weight",
+        "confidence_head.proj.weight",
+        "layers.0.self_attn.q_proj.weight",
+    } <= names
     small = set(mx.load(str(tmp_path / "small" / "model.safetensors")))
     assert small == names - {"embed_tokens.weight", "lm_head.weight"}
     from mlx_dspark.models.drafters import load_drafter
@@ -73,8 +100,12 @@ def test_distill_raises_acceptance_above_a_random_drafter(tiny, tmp_path):
     # The answer-token ranking (the draft vocabulary) is written and shipped with the export.
     rank = json.loads((trained / "draft_vocab.json").read_text())
     assert (tmp_path / "small" / "draft_vocab.json").read_text() == (trained / "draft_vocab.json").read_text()
-    answers = [t for line in (trained / "samples.jsonl").read_text().splitlines()[1:]
-               for r in [json.loads(line)] for t in r["ids"][r["n_prompt"]:]]
+    answers = [
+        t
+        for line in (trained / "samples.jsonl").read_text().splitlines()[1:]
+        for r in [json.loads(line)]
+        for t in r["ids"][r["n_prompt"] :]
+    ]
     assert rank["tokens"] == len(answers) and set(rank["ids"]) == set(answers)
     assert rank["counts"] == sorted(rank["counts"], reverse=True)
     assert d.describe()["draft_vocab"] <= len(rank["ids"])
@@ -86,10 +117,19 @@ def _small_run(tiny, out, *, steps, save_every, prompts, answer_tokens, **kw):
     from mlx_dspark.train.pipeline import DistillOptions
     from mlx_dspark.train.trainer import DistillConfig
 
-    cfg = DistillConfig(layers=1, markov_rank=16, steps=steps, batch_size=2, anchors=4, save_every=save_every,
-                        lr=2e-3, gen=GenConfig(max_new_tokens=answer_tokens, batch_size=16))
-    return DistillOptions(model=str(tiny), out=str(out), max_train_prompts=prompts, evaluate=False,
-                          temperature=0.0, train=cfg, **kw)
+    cfg = DistillConfig(
+        layers=1,
+        markov_rank=16,
+        steps=steps,
+        batch_size=2,
+        anchors=4,
+        save_every=save_every,
+        lr=2e-3,
+        gen=GenConfig(max_new_tokens=answer_tokens, batch_size=16),
+    )
+    return DistillOptions(
+        model=str(tiny), out=str(out), max_train_prompts=prompts, evaluate=False, temperature=0.0, train=cfg, **kw
+    )
 
 
 def _assert_same_trained_weights(a_dir: Path, b_dir: Path) -> None:
@@ -213,8 +253,9 @@ def test_init_from_starts_from_a_drafter_and_keeps_its_architecture(tiny, tmp_pa
     from mlx_dspark.errors import UserError
     from mlx_dspark.train.pipeline import run_distill
 
-    first = _small_run(tiny, tmp_path / "a", steps=30, save_every=0, prompts=2, answer_tokens=16,
-                       export=str(tmp_path / "a_x"))
+    first = _small_run(
+        tiny, tmp_path / "a", steps=30, save_every=0, prompts=2, answer_tokens=16, export=str(tmp_path / "a_x")
+    )
     run_distill(first, log=_quiet)
 
     def warm(out, steps, **arch):
@@ -244,10 +285,12 @@ def test_init_from_starts_from_a_drafter_and_keeps_its_architecture(tiny, tmp_pa
 
     # Trained further, it starts where the first run ended, not where a random init starts.
     run_distill(warm(tmp_path / "c", 5), log=_quiet)
-    first_loss = [h["loss"] for h in map(json.loads, (tmp_path / "a" / "train_log.jsonl").read_text().splitlines())
-                  if "loss" in h]
-    warm_loss = [h["loss"] for h in map(json.loads, (tmp_path / "c" / "train_log.jsonl").read_text().splitlines())
-                 if "loss" in h]
+    first_loss = [
+        h["loss"] for h in map(json.loads, (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()) if "loss" in h
+    ]
+    warm_loss = [
+        h["loss"] for h in map(json.loads, (tmp_path / "c" / "train_log.jsonl").read_text().splitlines()) if "loss" in h
+    ]
     # (nearer the first run's last loss than its first: a random init would start at the first)
     assert warm_loss[0] < first_loss[0] - 0.5 * (first_loss[0] - first_loss[-1]), (first_loss, warm_loss)
 
@@ -366,7 +409,11 @@ def test_export_stores_a_drafter_quantized_that_every_loader_reads(tiny, tmp_pat
     assert export_main([str(tmp_path / "full"), str(tmp_path / "bf16")]) == 0
     assert export_main([str(tmp_path / "full"), str(tmp_path / "q8"), "--bits", "8"]) == 0
     q8 = tmp_path / "q8"
-    assert json.loads((q8 / "config.json").read_text())["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    assert json.loads((q8 / "config.json").read_text())["quantization"] == {
+        "group_size": 64,
+        "bits": 8,
+        "mode": "affine",
+    }
     raw = mx.load(str(q8 / "model.safetensors"))
     assert raw["layers.0.mlp.down_proj.weight"].dtype == mx.uint32 and "fc.scales" in raw
     assert "markov_head.markov_w1.scales" not in raw and "norm.scales" not in raw  # rank 8, 1-D: kept as they are
@@ -386,8 +433,9 @@ def test_export_stores_a_drafter_quantized_that_every_loader_reads(tiny, tmp_pat
     assert float(mx.abs(h_b - h_q).max()) < 0.05 * float(mx.abs(h_b).max())
     assert load_drafter(str(q8), target, bits=4).describe()["bits"] == 4  # and quantized again at load
 
-    fresh, _, _ = build_model(target, tok, DistillConfig(layers=2, block_size=5, markov_rank=8, taps=[0]),
-                              tmp_path / "warm")
+    fresh, _, _ = build_model(
+        target, tok, DistillConfig(layers=2, block_size=5, markov_rank=8, taps=[0]), tmp_path / "warm"
+    )
     load_init_weights(fresh, q8)  # --init-from a stored-quantized drafter
     assert mx.allclose(fresh.fc.weight, deq["fc.weight"].astype(mx.float32)).item()
 
@@ -470,8 +518,9 @@ def test_distill_trains_on_the_draft_vocabulary(tiny, tmp_path):
 
     peaked = write_model(tmp_path / "peaked", "qwen3", **dict(TINY, scale=6.0))
     said = []
-    o = _small_run(peaked, tmp_path / "v", steps=100, save_every=0, prompts=3, answer_tokens=24,
-                   export=str(tmp_path / "v_x"))
+    o = _small_run(
+        peaked, tmp_path / "v", steps=100, save_every=0, prompts=3, answer_tokens=24, export=str(tmp_path / "v_x")
+    )
     o.train.train_vocab, o.train.anchors, o.train.batch_size = "auto", 16, 4
     o.export_bits = 8  # (--export-bits 8: the drafter below loads from a stored-quantized export)
     run_distill(o, log=said.append)
@@ -512,8 +561,12 @@ def test_make_prompts_writes_prompt_files_distill_reads(tmp_path):
     stubs = [p.text for p in code if "```python" in p.text]
     assert stubs and all("def " in t and '"""' in t for t in stubs)
     assert len({p.text for p in code}) == len(code)
-    assert mp.main(["--out", str(tmp_path / "c"), "--code", "30", "--chat", "1", "--packages", "pip",
-                    "--chat-kinds", "60"]) == 0
+    assert (
+        mp.main(
+            ["--out", str(tmp_path / "c"), "--code", "30", "--chat", "1", "--packages", "pip", "--chat-kinds", "60"]
+        )
+        == 0
+    )
     pip_code = read_prompt_file(tmp_path / "c" / "code-packages.jsonl")
     assert len(pip_code) == 30 and not {p.text for p in pip_code} & {p.text for p in code}
     kinds = [p.text for p in read_prompt_file(tmp_path / "c" / "chat-kinds.jsonl")]

@@ -10,8 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-
 from drafter_fixtures import perm_chain, target, workspace
+
 from mlx_dspark.api import generate
 from mlx_dspark.decode.drafting import DrafterProposer
 from mlx_dspark.errors import UserError
@@ -56,10 +56,10 @@ def _folder_with_ranking(tmp_path, key, ranked_ids):
     dst = tmp_path / key
     shutil.copytree(src, dst)
     counts = [1] * len(ranked_ids)  # equal counts: `auto` (99.5% coverage) keeps up to 199 of them
-    (dst / dv.FILE).write_text(json.dumps({"ids": [int(t) for t in ranked_ids], "counts": counts,
-                                           "tokens": sum(counts)}))
+    (dst / dv.FILE).write_text(
+        json.dumps({"ids": [int(t) for t in ranked_ids], "counts": counts, "tokens": sum(counts)})
+    )
     return dst
-
 
 
 def _recording(monkeypatch):
@@ -93,8 +93,7 @@ def test_drafts_stay_inside_the_subset_and_output_is_exact(key, tmp_path, monkey
     kind = "dspark" if "dspark" in key else "dflash"
 
     def run(d):
-        return generate(tgt, tok, None, prompt_ids=prompt, mode=kind, drafter=d, max_new_tokens=n,
-                        lookup_drafts=False)
+        return generate(tgt, tok, None, prompt_ids=prompt, mode=kind, drafter=d, max_new_tokens=n, lookup_drafts=False)
 
     full = run(load_drafter(str(ws[key]), tgt, bits=16, draft_vocab="full"))
     assert full.tokens == want and np.mean(full.accept_lengths) > 1.9
@@ -143,8 +142,20 @@ def test_cli_flag(tmp_path, capsys):
 
     ws = workspace()
     d = _folder_with_ranking(tmp_path, "perm_dspark", [int(t) for t in np.flatnonzero(ws["perm"] >= 0)][:40])
-    args = ["generate", "--model", str(ws["target_perm"]), "--drafter", str(d), "--mode", "dspark",
-            "--prompt", "a b c", "--no-chat-template", "--max-new-tokens", "8"]
+    args = [
+        "generate",
+        "--model",
+        str(ws["target_perm"]),
+        "--drafter",
+        str(d),
+        "--mode",
+        "dspark",
+        "--prompt",
+        "a b c",
+        "--no-chat-template",
+        "--max-new-tokens",
+        "8",
+    ]
     assert main(args + ["--draft-vocab", "lots"]) == 2
     err = capsys.readouterr().err
     assert "--draft-vocab must be auto, full or a token count" in err and "Traceback" not in err

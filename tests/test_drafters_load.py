@@ -3,7 +3,6 @@ CLI (`--model <dir> --drafter <dir>`, `mlx-dspark models`) and the pair API."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import json
 import os
 import subprocess
@@ -11,11 +10,12 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.core as mx
 import numpy as np
 import pytest
-
 from drafter_fixtures import target, workspace, write_deepspec, write_gemma4_target, write_zlab
 from fixtures import write_model
+
 from mlx_dspark.api import generate
 from mlx_dspark.decode.modes import drafter_proposer
 from mlx_dspark.errors import UserError
@@ -30,12 +30,15 @@ def _tq():
     return target(workspace()["target_qwen3"])[0]
 
 
-@pytest.mark.parametrize("key,packaging,kind,style,drafts", [
-    ("dspark_qwen3", "deepspec-dspark", "dspark", "qwen3", 7),
-    ("dspark_gemma4", "deepspec-dspark", "dspark", "gemma4", 7),
-    ("dflash_deepspec", "deepspec-dflash", "dflash", "qwen3", 7),
-    ("dflash_zlab", "zlab-dflash", "dflash", "qwen3", 15),
-])
+@pytest.mark.parametrize(
+    "key,packaging,kind,style,drafts",
+    [
+        ("dspark_qwen3", "deepspec-dspark", "dspark", "qwen3", 7),
+        ("dspark_gemma4", "deepspec-dspark", "dspark", "gemma4", 7),
+        ("dflash_deepspec", "deepspec-dflash", "dflash", "qwen3", 7),
+        ("dflash_zlab", "zlab-dflash", "dflash", "qwen3", 15),
+    ],
+)
 def test_packaging_detected(key, packaging, kind, style, drafts):
     ws = workspace()
     tgt = target(ws["target_gemma4" if style == "gemma4" else "target_qwen3"])[0]
@@ -88,19 +91,26 @@ def test_refuse_vocab_mismatch(tmp_path):
     ws = workspace()
     V = _tq().vocab_size
     rng = np.random.default_rng(0)
-    big = {"embed_tokens.weight": rng.standard_normal((V + 8, 64)).astype(np.float32),
-           "lm_head.weight": rng.standard_normal((V + 8, 64)).astype(np.float32),
-           "markov_head.markov_w1.weight": np.zeros((V + 8, 32), np.float32),
-           "markov_head.markov_w2.weight": np.zeros((V + 8, 32), np.float32)}
+    big = {
+        "embed_tokens.weight": rng.standard_normal((V + 8, 64)).astype(np.float32),
+        "lm_head.weight": rng.standard_normal((V + 8, 64)).astype(np.float32),
+        "markov_head.markov_w1.weight": np.zeros((V + 8, 32), np.float32),
+        "markov_head.markov_w2.weight": np.zeros((V + 8, 32), np.float32),
+    }
     p = write_deepspec(tmp_path / "d", ws["target_qwen3"], tensors=big, config_overrides={"vocab_size": V + 8})
     _refused(p, _tq(), f"vocabulary of {V + 8} tokens but the target's has {V}")
     z = write_zlab(tmp_path / "z", ws["target_qwen3"], config_overrides={"vocab_size": V + 1})
     _refused(z, _tq(), f"vocabulary of {V + 1} tokens")
 
 
-@pytest.mark.parametrize("taps,match", [([1, 2, 9], "taps layer 9, which is out of range for a target with 4 layers"),
-                                        ([0, 1, 3], "taps layer 3, the target's final layer"),
-                                        ([-1, 1, 2], "taps layer -1, which is out of range")])
+@pytest.mark.parametrize(
+    "taps,match",
+    [
+        ([1, 2, 9], "taps layer 9, which is out of range for a target with 4 layers"),
+        ([0, 1, 3], "taps layer 3, the target's final layer"),
+        ([-1, 1, 2], "taps layer -1, which is out of range"),
+    ],
+)
 def test_refuse_taps_out_of_range(tmp_path, taps, match):
     p = write_deepspec(tmp_path / "d", workspace()["target_qwen3"], taps=taps)
     _refused(p, _tq(), match)
@@ -111,12 +121,15 @@ def test_refuse_target_depth_mismatch(tmp_path):
     _refused(p, _tq(), "trained against a 36-layer target; this target has 4 layers")
 
 
-@pytest.mark.parametrize("archs,match", [
-    (["LlamaForCausalLM"], r"unknown drafter packaging \(architectures=\['LlamaForCausalLM'\]\)"),
-    ([], "unknown drafter packaging"),
-    (["DFlash2DraftModel"], "DFlash 2"),
-    (["Qwen3Eagle3Model"], "EAGLE3"),
-])
+@pytest.mark.parametrize(
+    "archs,match",
+    [
+        (["LlamaForCausalLM"], r"unknown drafter packaging \(architectures=\['LlamaForCausalLM'\]\)"),
+        ([], "unknown drafter packaging"),
+        (["DFlash2DraftModel"], "DFlash 2"),
+        (["Qwen3Eagle3Model"], "EAGLE3"),
+    ],
+)
 def test_refuse_unknown_packaging(tmp_path, archs, match):
     p = write_deepspec(tmp_path / "d", workspace()["target_qwen3"], config_overrides={"architectures": archs})
     _refused(p, _tq(), match)
@@ -127,8 +140,9 @@ def test_refuse_remote_code(tmp_path):
     p = write_deepspec(tmp_path / "d", ws["target_qwen3"])
     (p / "modeling_dspark.py").write_text("raise SystemExit('never run')\n")
     _refused(p, _tq(), r"ships its own Python code \(Python files modeling_dspark.py\)")
-    p = write_deepspec(tmp_path / "d2", ws["target_qwen3"],
-                       config_overrides={"auto_map": {"AutoModel": "modeling.Custom"}})
+    p = write_deepspec(
+        tmp_path / "d2", ws["target_qwen3"], config_overrides={"auto_map": {"AutoModel": "modeling.Custom"}}
+    )
     _refused(p, _tq(), "ships its own Python code.*auto_map")
     # z-lab's own dflash.py next to its known architecture is fine; any other code is not
     load_drafter(str(ws["dflash_zlab"]), _tq(), bits=16)
@@ -144,8 +158,9 @@ def test_refuse_tensor_mismatches(tmp_path):
     _refused(p, _tq(), "missing tensors: layers.1.mlp.up_proj.weight")
     p = write_deepspec(tmp_path / "b", ws["target_qwen3"], tensors={"layers.0.extra.weight": np.zeros(3, np.float32)})
     _refused(p, _tq(), "unexpected tensors: layers.0.extra.weight")
-    p = write_deepspec(tmp_path / "c", ws["target_qwen3"],
-                       tensors={"layers.0.self_attn.o_proj.weight": np.zeros((64, 32), np.float32)})
+    p = write_deepspec(
+        tmp_path / "c", ws["target_qwen3"], tensors={"layers.0.self_attn.o_proj.weight": np.zeros((64, 32), np.float32)}
+    )
     _refused(p, _tq(), r"shape mismatches: layers.0.self_attn.o_proj.weight \(64, 32\) != \(64, 64\)")
     # a confidence head the config does not announce is refused, not silently dropped
     p = write_deepspec(tmp_path / "e", ws["target_qwen3"], config_overrides={"enable_confidence_head": False})
@@ -161,7 +176,11 @@ def test_refuse_unsupported_variants(tmp_path):
     _refused(p, _tq(), "Markov head type 'gated' is not supported")
     z = write_zlab(tmp_path / "z", ws["target_qwen3"], config_overrides={"layer_types": ["sliding_attention"] * 2})
     _refused(z, _tq(), "sliding-window layers are not supported")
-    p = write_deepspec(tmp_path / "b", ws["target_qwen3"], config_overrides={"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e6}})
+    p = write_deepspec(
+        tmp_path / "b",
+        ws["target_qwen3"],
+        config_overrides={"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e6}},
+    )
     _refused(p, _tq(), "RoPE type 'mrope' is not supported")
     (tmp_path / "empty").mkdir()
     _refused(tmp_path / "empty", _tq(), "has no config.json")
@@ -180,13 +199,24 @@ def test_mode_and_kind_must_agree():
 
 
 # --------------------------------------------------------------------------- registry
-@pytest.mark.parametrize("name", ["Qwen/Qwen3-4B", "mlx-community/Qwen3-4B-4bit", "mlx-community/Qwen3-4B-8bit",
-                                  "mlx-community/Qwen3-4B-bf16", "Qwen/Qwen3-4B-MLX-4bit", "lmstudio-community/Qwen3-4B-MLX-8bit",
-                                  "/hf/hub/models--mlx-community--Qwen3-4B-4bit/snapshots/abc123", "~/models/Qwen3-4B-6bit"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Qwen/Qwen3-4B",
+        "mlx-community/Qwen3-4B-4bit",
+        "mlx-community/Qwen3-4B-8bit",
+        "mlx-community/Qwen3-4B-bf16",
+        "Qwen/Qwen3-4B-MLX-4bit",
+        "lmstudio-community/Qwen3-4B-MLX-8bit",
+        "/hf/hub/models--mlx-community--Qwen3-4B-4bit/snapshots/abc123",
+        "~/models/Qwen3-4B-6bit",
+    ],
+)
 def test_registry_is_quantization_agnostic(name):
     assert registry.canonical_name(name) == "qwen3-4b"
-    tgt = SimpleNamespace(source=name, name="", config={}, model_type="qwen3", hidden_size=2560, num_layers=36,
-                          vocab_size=151936)
+    tgt = SimpleNamespace(
+        source=name, name="", config={}, model_type="qwen3", hidden_size=2560, num_layers=36, vocab_size=151936
+    )
     got = [(p.kind, p.drafter) for p in registry.pairs_for(tgt)]
     assert got[0] == ("dspark", "deepseek-ai/dspark_qwen3_4b_block7")
     assert ("dflash", "z-lab/Qwen3-4B-DFlash-b16") in got and ("dflash", "deepseek-ai/dflash_qwen3_4b_block7") in got
@@ -194,11 +224,19 @@ def test_registry_is_quantization_agnostic(name):
 
 def test_registry_needs_name_and_shape():
     assert registry.canonical_name("Qwen/Qwen3-4B-Instruct-2507") != "qwen3-4b"
-    wrong_shape = SimpleNamespace(source="Qwen3-4B", name="", config={}, model_type="qwen3", hidden_size=64,
-                                  num_layers=4, vocab_size=384)
+    wrong_shape = SimpleNamespace(
+        source="Qwen3-4B", name="", config={}, model_type="qwen3", hidden_size=64, num_layers=4, vocab_size=384
+    )
     assert registry.pairs_for(wrong_shape) == []
-    gemma = SimpleNamespace(source="mlx-community/gemma-4-12B-it-8bit", name="", config={}, model_type="gemma4",
-                            hidden_size=3840, num_layers=48, vocab_size=262144)
+    gemma = SimpleNamespace(
+        source="mlx-community/gemma-4-12B-it-8bit",
+        name="",
+        config={},
+        model_type="gemma4",
+        hidden_size=3840,
+        num_layers=48,
+        vocab_size=262144,
+    )
     assert [p.drafter for p in registry.pairs_for(gemma, "dspark")] == ["deepseek-ai/dspark_gemma4_12b_block7"]
     published = [r for r in registry.table() if r["publisher"] != "mlx-dspark (distill)"]  # ours: measured
     assert published and all(r["measured"] is None and "not yet measured" in r["status"] for r in published)
@@ -230,14 +268,23 @@ def test_auto_prefers_dspark_then_dflash(monkeypatch):
 def _cli(*args, env_extra=None):
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "mlx_dspark", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_cli_generate_with_drafter_dir(capsys):
     ws = workspace()
-    args = ["generate", "--model", str(ws["target_qwen3"]), "--prompt", "def add(a, b): return a + b",
-            "--max-new-tokens", "24", "--json"]
+    args = [
+        "generate",
+        "--model",
+        str(ws["target_qwen3"]),
+        "--prompt",
+        "def add(a, b): return a + b",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
     out = _cli(*args, "--mode", "dspark", "--drafter", str(ws["dspark_qwen3"]), "--max-draft", "0")
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
@@ -269,7 +316,11 @@ def test_load_pair_and_generate():
 
     ws = workspace()
     tgt, tok, d, cfg = load_pair(str(ws["target_qwen3"]), drafter=str(ws["dspark_qwen3"]))
-    assert d.kind == "dspark" and cfg["drafter"] == str(ws["dspark_qwen3"]) and cfg["bits"] == (16 if mx.default_device() == mx.cpu else 4)
+    assert (
+        d.kind == "dspark"
+        and cfg["drafter"] == str(ws["dspark_qwen3"])
+        and cfg["bits"] == (16 if mx.default_device() == mx.cpu else 4)
+    )
     res = speculative_generate(tgt, tok, d, prompt_ids=[7, 8, 9, 7, 8, 9], max_new_tokens=30)
     base = generate(tgt, tok, None, prompt_ids=[7, 8, 9, 7, 8, 9], mode="baseline", max_new_tokens=30)
     assert res.tokens == base.tokens and res.mode == "dspark"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from drafter_fixtures import perm_chain, target, workspace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafter_fixtures import perm_chain, target, workspace
 from mlx_dspark.api import generate
 from mlx_dspark.decode.modes import drafter_proposer
 from mlx_dspark.models.checkpoints import DrafterSpec
@@ -55,9 +55,14 @@ def _perm_prompt(n=6, seed=0):
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(key=st.sampled_from(list(PAIRS)), data=st.data(), n=st.integers(1, 40),
-       max_draft=st.sampled_from([None, 0, 1, 2, 3, 7, 20]), lookup=st.booleans(),
-       threshold=st.sampled_from([0.0, 0.0, 0.55]))
+@given(
+    key=st.sampled_from(list(PAIRS)),
+    data=st.data(),
+    n=st.integers(1, 40),
+    max_draft=st.sampled_from([None, 0, 1, 2, 3, 7, 20]),
+    lookup=st.booleans(),
+    threshold=st.sampled_from([0.0, 0.0, 0.55]),
+)
 def test_lossless_every_drafter(key, data, n, max_draft, lookup, threshold):
     tkey = PAIRS[key][0]
     tgt, tok = target(workspace()[tkey])
@@ -69,10 +74,19 @@ def test_lossless_every_drafter(key, data, n, max_draft, lookup, threshold):
         prompt = body + body[: data.draw(st.integers(0, len(body)))]
     if d.conf_head is None:
         threshold = 0.0
-    res = generate(tgt, tok, None, prompt_ids=prompt, mode=d.kind, drafter=d, max_new_tokens=n,
-                   max_draft=max_draft, lookup_drafts=lookup, confidence_threshold=threshold)
+    res = generate(
+        tgt,
+        tok,
+        None,
+        prompt_ids=prompt,
+        mode=d.kind,
+        drafter=d,
+        max_new_tokens=n,
+        max_draft=max_draft,
+        lookup_drafts=lookup,
+        confidence_threshold=threshold,
+    )
     assert res.tokens == baseline(tkey, prompt, n)
-
 
 
 @pytest.mark.parametrize("lookup", [False, True])
@@ -84,16 +98,16 @@ def test_agreeing_dspark_accepts_whole_blocks(lookup):
     d = drafter("perm_dspark")
     prompt = _perm_prompt()
     n = 300
-    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=n,
-                   lookup_drafts=lookup)
+    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=n, lookup_drafts=lookup)
     assert res.tokens == perm_chain(prompt[-1], n) == baseline("target_perm", prompt, n)
     assert res.accept_lengths[:-1] == [8] * (len(res.accept_lengths) - 1)
     assert len(res.accept_lengths) == -(-(n - 1) // 8)  # the first token comes from prefill
     s = res.stats
     assert s["drafter_accepted"] + s["lookup_accepted"] == n - 1 - len(res.accept_lengths)
     # shorter caps: whole (capped) blocks still
-    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=60, max_draft=3,
-                   lookup_drafts=False)
+    res = generate(
+        tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=60, max_draft=3, lookup_drafts=False
+    )
     assert res.tokens == perm_chain(prompt[-1], 60) and set(res.accept_lengths[:-1]) == {4}
 
 
@@ -101,8 +115,16 @@ def test_agreeing_dspark_4bit():
     ws = workspace()
     tgt, tok = target(ws["target_perm"])
     prompt = _perm_prompt(seed=3)
-    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=drafter("perm_dspark", 4),
-                   max_new_tokens=80, lookup_drafts=False)
+    res = generate(
+        tgt,
+        tok,
+        None,
+        prompt_ids=prompt,
+        mode="dspark",
+        drafter=drafter("perm_dspark", 4),
+        max_new_tokens=80,
+        lookup_drafts=False,
+    )
     assert res.tokens == perm_chain(prompt[-1], 80) and set(res.accept_lengths[:-1]) == {8}
 
 
@@ -116,14 +138,14 @@ def test_agreeing_dflash_first_draft_every_round(key, monkeypatch):
     d = drafter(key)
     assert d.block_drafts == (15 if key.endswith("zlab") else 7)
     prompt = _perm_prompt(seed=5)
-    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dflash", drafter=d, max_new_tokens=61,
-                   lookup_drafts=False)
+    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dflash", drafter=d, max_new_tokens=61, lookup_drafts=False)
     assert res.tokens == perm_chain(prompt[-1], 61)
     assert res.accept_lengths == [2] * 30
     wrong = 0 if key.endswith("zlab") else 1
     monkeypatch.setattr(DrafterSpec, "logits_start", property(lambda self: wrong))
-    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dflash", drafter=d, max_new_tokens=30,
-                   max_draft=6, lookup_drafts=False)
+    res = generate(
+        tgt, tok, None, prompt_ids=prompt, mode="dflash", drafter=d, max_new_tokens=30, max_draft=6, lookup_drafts=False
+    )
     assert res.tokens == perm_chain(prompt[-1], 30)
     assert set(res.accept_lengths) == {1}
 
@@ -145,8 +167,10 @@ def _context_matches_fresh(p, tgt, sequence):
             assert np.abs(a - b).max() < 1e-3 * (1 + np.abs(b).max())
 
 
-@pytest.mark.parametrize("key,lookup", [("perm_dspark_noisy", False), ("perm_dspark_noisy", True),
-                                        ("dspark_qwen3", True), ("dflash_zlab", False)])
+@pytest.mark.parametrize(
+    "key,lookup",
+    [("perm_dspark_noisy", False), ("perm_dspark_noisy", True), ("dspark_qwen3", True), ("dflash_zlab", False)],
+)
 def test_context_cache_after_many_rounds(key, lookup):
     ws = workspace()
     tkey = PAIRS[key][0]
@@ -168,12 +192,30 @@ def test_confidence_threshold_truncates_to_plain_steps():
     tgt, tok = target(ws["target_perm"])
     d = drafter("perm_dspark")  # confidence logit 6 everywhere: sigmoid = 0.9975
     prompt = _perm_prompt(seed=11)
-    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=20,
-                   confidence_threshold=0.999, lookup_drafts=False)
+    res = generate(
+        tgt,
+        tok,
+        None,
+        prompt_ids=prompt,
+        mode="dspark",
+        drafter=d,
+        max_new_tokens=20,
+        confidence_threshold=0.999,
+        lookup_drafts=False,
+    )
     assert res.tokens == perm_chain(prompt[-1], 20)
     assert set(res.accept_lengths) == {1} and res.stats["truncated_rounds"] == len(res.accept_lengths) - 1
-    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=20,
-                   confidence_threshold=0.99, lookup_drafts=False)
+    res = generate(
+        tgt,
+        tok,
+        None,
+        prompt_ids=prompt,
+        mode="dspark",
+        drafter=d,
+        max_new_tokens=20,
+        confidence_threshold=0.99,
+        lookup_drafts=False,
+    )
     assert res.stats["truncated_rounds"] == 0 and set(res.accept_lengths[:-1]) == {8}
 
 
@@ -210,18 +252,37 @@ def test_sampled_generation_is_reproducible(key):
     d = drafter(key)
     prompt = _perm_prompt(seed=2) if key.startswith("perm") else [3, 4, 5, 6]
     runs = []
-    for params in (SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=0.7, seed=5),
-                   SamplingParams(temperature=0.9, top_k=20, presence_penalty=0.5, seed=6)):
-        res = generate(tgt, tok, None, prompt_ids=prompt, mode=d.kind, drafter=d, max_new_tokens=30,
-                       sampling=params, lookup_drafts=False)
+    for params in (
+        SamplingParams(temperature=0.7, seed=5),
+        SamplingParams(temperature=0.7, seed=5),
+        SamplingParams(temperature=0.9, top_k=20, presence_penalty=0.5, seed=6),
+    ):
+        res = generate(
+            tgt,
+            tok,
+            None,
+            prompt_ids=prompt,
+            mode=d.kind,
+            drafter=d,
+            max_new_tokens=30,
+            sampling=params,
+            lookup_drafts=False,
+        )
         assert len(res.tokens) == 30 or res.finish_reason == "stop"
         runs.append(res.tokens)
     assert runs[0] == runs[1]
     # greedy with penalties: the verify is exact prefix matching on penalized argmax
     p = SamplingParams(temperature=0.0, frequency_penalty=1.0)
     res = generate(tgt, tok, None, prompt_ids=prompt, mode=d.kind, drafter=d, max_new_tokens=30, sampling=p)
-    base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=30,
-                    sampling=SamplingParams(temperature=0.0, frequency_penalty=1.0))
+    base = generate(
+        tgt,
+        tok,
+        None,
+        prompt_ids=prompt,
+        mode="baseline",
+        max_new_tokens=30,
+        sampling=SamplingParams(temperature=0.0, frequency_penalty=1.0),
+    )
     assert res.tokens == base.tokens
 
 

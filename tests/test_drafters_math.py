@@ -14,9 +14,9 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from drafter_fixtures import target, workspace
 from drafter_reference import MUTATIONS_GEMMA, Reference
+
 from mlx_dspark.decode.drafting import confident_prefix
 from mlx_dspark.decode.modes import drafter_proposer
 from mlx_dspark.decode.sampling import SamplingParams
@@ -90,31 +90,62 @@ def test_gemma4_detail_is_observable(mutation):
 
 
 def _gemma12b_shapes(H=3840, hd=512, nh=16, I=15360, V=262144, r=256, taps=5):
-    s = {"fc.weight": (H, taps * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
-         "embed_tokens.weight": (V, H), "lm_head.weight": (V, H),
-         "markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r),
-         "confidence_head.proj.weight": (1, H + r), "confidence_head.proj.bias": (1,)}
+    s = {
+        "fc.weight": (H, taps * H),
+        "hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+        "embed_tokens.weight": (V, H),
+        "lm_head.weight": (V, H),
+        "markov_head.markov_w1.weight": (V, r),
+        "markov_head.markov_w2.weight": (V, r),
+        "confidence_head.proj.weight": (1, H + r),
+        "confidence_head.proj.bias": (1,),
+    }
     for i in range(5):
         p = f"layers.{i}."
-        s.update({p + "self_attn.q_proj.weight": (nh * hd, H), p + "self_attn.k_proj.weight": (hd, H),
-                  p + "self_attn.o_proj.weight": (H, nh * hd), p + "self_attn.q_norm.weight": (hd,),
-                  p + "self_attn.k_norm.weight": (hd,), p + "mlp.gate_proj.weight": (I, H),
-                  p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I), p + "layer_scalar": (1,)})
+        s.update(
+            {
+                p + "self_attn.q_proj.weight": (nh * hd, H),
+                p + "self_attn.k_proj.weight": (hd, H),
+                p + "self_attn.o_proj.weight": (H, nh * hd),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (I, H),
+                p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I),
+                p + "layer_scalar": (1,),
+            }
+        )
     return s
 
 
 def test_gemma4_12b_config_from_shapes(tmp_path):
     """The released Gemma-4-12B DSpark layout: dims from the tensors (global_head_dim 512, one KV
     head, k_eq_v), embed scale bf16(sqrt(3840)) = 62.0, proportional RoPE over 512 dims."""
-    cfg = {"architectures": ["Gemma4DSparkModel"], "model_type": "gemma4_text", "block_size": 7, "head_dim": 256,
-           "global_head_dim": 512, "num_key_value_heads": 8, "num_global_key_value_heads": 1,
-           "attention_k_eq_v": True, "final_logit_softcapping": 30.0, "markov_rank": 256,
-           "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True,
-           "mask_token_id": 4, "target_layer_ids": [5, 17, 29, 41, 46], "num_hidden_layers": 5,
-           "num_target_layers": 48, "rms_norm_eps": 1e-6,
-           "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_type": "proportional",
-                                                  "rope_theta": 1000000},
-                               "sliding_attention": {"rope_type": "default", "rope_theta": 10000}}}
+    cfg = {
+        "architectures": ["Gemma4DSparkModel"],
+        "model_type": "gemma4_text",
+        "block_size": 7,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "num_key_value_heads": 8,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True,
+        "final_logit_softcapping": 30.0,
+        "markov_rank": 256,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "mask_token_id": 4,
+        "target_layer_ids": [5, 17, 29, 41, 46],
+        "num_hidden_layers": 5,
+        "num_target_layers": 48,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_type": "proportional", "rope_theta": 1000000},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000},
+        },
+    }
     spec = build_spec(tmp_path, cfg, _gemma12b_shapes())
     b = spec.backbone
     assert (b.head_dim, b.num_heads, b.num_kv_heads, b.k_eq_v, b.attn_scale) == (512, 16, 1, True, 1.0)

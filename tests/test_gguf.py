@@ -16,8 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as QT
 from gguf import GGML_QUANT_SIZES, GGUFWriter
+from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
 from mlx_dspark.errors import UserError
@@ -29,8 +29,10 @@ HEAD_DIM = HIDDEN // HEADS
 EPS, THETA = 1e-5, 10000.0
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "Ġ a", "i n", "o u", "e r", "Ġ s", "r e", "o n", "Ġ w", "a t", "e n"]
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 PROMPT = [1, 40, 77, 258, 3, 99, 260, 150, 200, 17, 255, 64]
 
 
@@ -60,8 +62,9 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def original_weights(seed: int, arch: str = "llama", vocab: int | None = None, tied: bool = True,
-                     layers: int = LAYERS) -> dict:
+def original_weights(
+    seed: int, arch: str = "llama", vocab: int | None = None, tied: bool = True, layers: int = LAYERS
+) -> dict:
     rng = np.random.default_rng(seed)
     V = vocab or len(_vocab())
 
@@ -76,13 +79,28 @@ def original_weights(seed: int, arch: str = "llama", vocab: int | None = None, t
         W["output"] = mat(V, HIDDEN, 0.1)
     for i in range(layers):
         b = f"blk.{i}."
-        W.update({b + "attn_norm": norm(HIDDEN), b + "ffn_norm": norm(HIDDEN),
-                  b + "attn_q": mat(HEADS * HEAD_DIM, HIDDEN), b + "attn_k": mat(KV_HEADS * HEAD_DIM, HIDDEN),
-                  b + "attn_v": mat(KV_HEADS * HEAD_DIM, HIDDEN), b + "attn_output": mat(HIDDEN, HEADS * HEAD_DIM),
-                  b + "ffn_gate": mat(FFN, HIDDEN), b + "ffn_up": mat(FFN, HIDDEN), b + "ffn_down": mat(HIDDEN, FFN)})
+        W.update(
+            {
+                b + "attn_norm": norm(HIDDEN),
+                b + "ffn_norm": norm(HIDDEN),
+                b + "attn_q": mat(HEADS * HEAD_DIM, HIDDEN),
+                b + "attn_k": mat(KV_HEADS * HEAD_DIM, HIDDEN),
+                b + "attn_v": mat(KV_HEADS * HEAD_DIM, HIDDEN),
+                b + "attn_output": mat(HIDDEN, HEADS * HEAD_DIM),
+                b + "ffn_gate": mat(FFN, HIDDEN),
+                b + "ffn_up": mat(FFN, HIDDEN),
+                b + "ffn_down": mat(HIDDEN, FFN),
+            }
+        )
         if arch == "gemma3":
-            W.update({b + "post_attention_norm": norm(HIDDEN), b + "post_ffw_norm": norm(HIDDEN),
-                      b + "attn_q_norm": norm(HEAD_DIM), b + "attn_k_norm": norm(HEAD_DIM)})
+            W.update(
+                {
+                    b + "post_attention_norm": norm(HIDDEN),
+                    b + "post_ffw_norm": norm(HIDDEN),
+                    b + "attn_q_norm": norm(HEAD_DIM),
+                    b + "attn_k_norm": norm(HEAD_DIM),
+                }
+            )
     return W
 
 
@@ -95,8 +113,8 @@ def _random_kquant(rows: int, cols: int, qtype: QT, rng) -> np.ndarray:
         raw[..., -2:] = d
     else:  # Q2_K..Q5_K: d, dmin first (Q2_K: after 80 bytes of scales and qs)
         at = 80 if qtype == QT.Q2_K else 0
-        raw[..., at:at + 2] = d
-        raw[..., at + 2:at + 4] = d
+        raw[..., at : at + 2] = d
+        raw[..., at + 2 : at + 4] = d
     return raw.reshape(rows, -1)
 
 
@@ -120,8 +138,16 @@ def encode(W: dict, types: dict, seed: int = 0) -> tuple[dict, dict]:
     return stored, exact
 
 
-def write_gguf(path: Path, W: dict, types: dict | None = None, arch: str = "llama", seed: int = 0,
-               extra_tensor: tuple | None = None, arch_name: str | None = None, theta: float = THETA) -> dict:
+def write_gguf(
+    path: Path,
+    W: dict,
+    types: dict | None = None,
+    arch: str = "llama",
+    seed: int = 0,
+    extra_tensor: tuple | None = None,
+    arch_name: str | None = None,
+    theta: float = THETA,
+) -> dict:
     """Write a GGUF as llama.cpp's converter would; return the exact original-order values."""
     types = types or {}
     stored, exact = encode(W, types, seed)
@@ -176,7 +202,7 @@ def _rope(x, pos, base):  # HF rotate-half RoPE on [heads, T, D]
     inv = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
     ang = pos[:, None] * inv[None, :]
     cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + np.concatenate([-x2, x1], -1) * sin
 
 
@@ -218,8 +244,11 @@ def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
 
 
 # ------------------------------------------------------------------------------- tests
-ALL = ["token_embd", "output"] + [f"blk.{i}.{n}" for i in range(LAYERS) for n in
-                                  ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+ALL = ["token_embd", "output"] + [
+    f"blk.{i}.{n}"
+    for i in range(LAYERS)
+    for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+]
 
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0, QT.Q4_1])
@@ -252,9 +281,30 @@ def test_permute_rows_inverts_llamacpp():
 
 def test_kquants_and_mixed_types(tmp_path):
     W = original_weights(seed=5)
-    types = {n: t for n, t in zip(ALL, [QT.Q8_0, QT.F32, QT.Q4_K, QT.Q6_K, QT.Q5_K, QT.Q3_K,
-                                        QT.Q2_K, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q6_K, QT.Q4_1, QT.F16,
-                                        QT.Q4_0, QT.Q8_0, QT.Q4_K])}
+    types = {
+        n: t
+        for n, t in zip(
+            ALL,
+            [
+                QT.Q8_0,
+                QT.F32,
+                QT.Q4_K,
+                QT.Q6_K,
+                QT.Q5_K,
+                QT.Q3_K,
+                QT.Q2_K,
+                QT.Q5_0,
+                QT.Q5_1,
+                QT.Q4_K,
+                QT.Q6_K,
+                QT.Q4_1,
+                QT.F16,
+                QT.Q4_0,
+                QT.Q8_0,
+                QT.Q4_K,
+            ],
+        )
+    }
     exact = write_gguf(tmp_path / "m.gguf", W, types)
     out = G.convert_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32")
     assert rel_err(our_logits(out, PROMPT), llama_reference(exact, PROMPT)) < 1e-5
@@ -267,12 +317,17 @@ def test_exact_affine_requantization(tmp_path, qtype, bits):
     exact = write_gguf(tmp_path / "m.gguf", W, {n: qtype for n in ALL})
     out = G.convert_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32", quantize=bits)
     saved = mx.load(str(out / "model.safetensors"))
-    hf = {"blk.0.attn_q": "model.layers.0.self_attn.q_proj", "blk.1.attn_k": "model.layers.1.self_attn.k_proj",
-          "blk.0.ffn_down": "model.layers.0.mlp.down_proj", "token_embd": "model.embed_tokens"}
+    hf = {
+        "blk.0.attn_q": "model.layers.0.self_attn.q_proj",
+        "blk.1.attn_k": "model.layers.1.self_attn.k_proj",
+        "blk.0.ffn_down": "model.layers.0.mlp.down_proj",
+        "token_embd": "model.embed_tokens",
+    }
     for g, name in hf.items():
         assert saved[f"{name}.scales"].dtype == mx.float32
-        deq = mx.dequantize(saved[f"{name}.weight"], saved[f"{name}.scales"], saved[f"{name}.biases"],
-                            group_size=32, bits=bits)
+        deq = mx.dequantize(
+            saved[f"{name}.weight"], saved[f"{name}.scales"], saved[f"{name}.biases"], group_size=32, bits=bits
+        )
         assert np.array_equal(np.array(deq), exact[g]), g
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["quantization"]["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": bits, "mode": "affine"}
@@ -307,12 +362,21 @@ def test_gemma3_matches_mlx_lm_on_original_weights(tmp_path):
     assert cfg["model_type"] == "gemma3_text" and cfg["tie_word_embeddings"] is True
     ref_model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(cfg))
     names = {"token_embd": "model.embed_tokens.weight", "output_norm": "model.norm.weight"}
-    per_block = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-                 "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
-                 "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down": "mlp.down_proj"}
+    per_block = {
+        "attn_norm": "input_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
     for i in range(6):
         for g, h in per_block.items():
             names[f"blk.{i}.{g}"] = f"model.layers.{i}.{h}.weight"
@@ -327,8 +391,9 @@ def test_tokenizer_chat_template_and_load_target(tmp_path):
 
     write_gguf(tmp_path / "m.gguf", original_weights(seed=13), {n: QT.Q8_0 for n in ALL})
     target, tok = load_target(str(tmp_path / "m.gguf"), dtype="float32")  # runs the Target probe
-    text = tok.apply_chat_template([{"role": "user", "content": "hi the sun"}], add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi the sun"}], add_generation_prompt=True, tokenize=False
+    )
     assert text == "<|im_start|>user\nhi the sun<|im_end|>\n<|im_start|>assistant\n"
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[0] == 1 and ids.count(2) == 1 and _vocab().index("Ġthe") in ids
@@ -429,12 +494,20 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
     src = _small(tmp_path, extra_tensor=("rope_freqs.weight", _llama3_factors(factor=32.0), None), theta=500000.0)
     out = G.convert_gguf(src, tmp_path / "out")
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["rope_scaling"] == {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert cfg["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     bad = tmp_path / "bad"
     bad.mkdir()
-    src = _small(bad, extra_tensor=("rope_freqs.weight", np.linspace(1, 3, HEAD_DIM // 2, dtype=np.float32), None),
-                 theta=500000.0)
+    src = _small(
+        bad,
+        extra_tensor=("rope_freqs.weight", np.linspace(1, 3, HEAD_DIM // 2, dtype=np.float32), None),
+        theta=500000.0,
+    )
     with pytest.raises(UserError, match="rope_freqs"):
         G.convert_gguf(src, tmp_path / "out2")
 

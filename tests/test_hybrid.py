@@ -12,16 +12,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import mlx_dspark as md
 from drafter_fixtures import write_deepspec, write_zlab
 from family_fixtures import text_view, write_family
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_loop import _ScriptedProposer, independent_greedy
+
+import mlx_dspark as md
 from mlx_dspark.decode import loop
 from mlx_dspark.models import hybrid
 from mlx_dspark.models.drafters import load_drafter
-from test_loop import _ScriptedProposer, independent_greedy
 
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 _ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-hybrid-"))
@@ -34,8 +34,10 @@ def family(name: str):
         path = write_family(_ROOT / name, name, seed=len(name))
         tgt, tok = md.load_target(str(path), dtype="float32")
         view = text_view(path, _ROOT / f"{name}-view")
-        drafters = {"dspark": load_drafter(str(write_deepspec(_ROOT / f"{name}-dspark", view)), tgt, bits=16),
-                    "dflash": load_drafter(str(write_zlab(_ROOT / f"{name}-dflash", view)), tgt, bits=16)}
+        drafters = {
+            "dspark": load_drafter(str(write_deepspec(_ROOT / f"{name}-dspark", view)), tgt, bits=16),
+            "dflash": load_drafter(str(write_zlab(_ROOT / f"{name}-dflash", view)), tgt, bits=16),
+        }
         _LOADED[name] = (tgt, tok, drafters)
     return _LOADED[name]
 
@@ -124,8 +126,16 @@ def test_replay_reference_matches_mlx_fast_gated_delta_update():
     # stepping one position at a time gives the same state bitwise
     s = s0
     for t in range(T):
-        s = hybrid.replay_state(gated_delta.gated_delta_update, mod, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
-                                a[:, t:t + 1], b[:, t:t + 1], s)
+        s = hybrid.replay_state(
+            gated_delta.gated_delta_update,
+            mod,
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            a[:, t : t + 1],
+            b[:, t : t + 1],
+            s,
+        )
     assert np.array_equal(np.array(ref), np.array(s))
     if hasattr(mx.fast, "gated_delta_update"):
         g = gated_delta.compute_g(mod.A_log, a, mod.dt_bias)
@@ -142,7 +152,7 @@ def test_a_replay_that_drops_the_recurrence_is_refused(monkeypatch):
     def broken(self, n):
         r, self.round = self.round, None
         if n > 0:
-            self[0] = mx.contiguous(r.conv_input[:, r.width - n: r.width - n + r.module.conv_kernel_size - 1, :])
+            self[0] = mx.contiguous(r.conv_input[:, r.width - n : r.width - n + r.module.conv_kernel_size - 1, :])
 
     monkeypatch.setattr(hybrid.ReplayArraysCache, "rewind", broken)
     tgt, _ = md.load_target(str(path), dtype="float32")
@@ -176,8 +186,9 @@ def test_every_mode_is_lossless_on_hybrids(name, prompt, n, max_draft):
     assert base.tokens == independent_greedy(tgt, ids, n, set(md.api.stop_token_ids(tgt, tok)))
     runs = [md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=n, max_draft=max_draft)]
     for kind, d in drafters.items():
-        runs.append(md.generate(tgt, tok, None, prompt_ids=ids, mode=kind, drafter=d, max_new_tokens=n,
-                                max_draft=max_draft))
+        runs.append(
+            md.generate(tgt, tok, None, prompt_ids=ids, mode=kind, drafter=d, max_new_tokens=n, max_draft=max_draft)
+        )
     prop = _ScriptedProposer(base.tokens + [0] * 64)
     runs.append(md.generate(tgt, tok, None, prompt_ids=ids, proposer=prop, max_new_tokens=n, max_draft=max_draft))
     for r in runs:
@@ -200,8 +211,15 @@ def test_partial_accepts_at_every_point_stay_exact(name):
     # the cache ends at the committed length, in the state plain decoding holds
     stops = md.api.stop_token_ids(tgt, tok)
     cache = tgt.make_cache()
-    run = loop.run(tgt, ids, _ScriptedProposer(base.tokens + [0] * 64), max_new_tokens=60, max_draft=5,
-                   cache=cache, stop_token_ids=stops)
+    run = loop.run(
+        tgt,
+        ids,
+        _ScriptedProposer(base.tokens + [0] * 64),
+        max_new_tokens=60,
+        max_draft=5,
+        cache=cache,
+        stop_token_ids=stops,
+    )
     assert run.tokens == base.tokens
     plain = tgt.make_cache()
     loop.run(tgt, ids, None, max_new_tokens=60, cache=plain, stop_token_ids=stops)
@@ -222,9 +240,26 @@ def test_cli_generate_on_a_family_folder(name, tmp_path):
     path = str(write_model(tmp_path / name, name, seed=5))
     out = {}
     for mode in ("baseline", "lookup"):
-        r = subprocess.run([sys.executable, "-m", "mlx_dspark", "generate", "--model", path, "--prompt",
-                            "the fox def add the fox def add the fox", "--max-new-tokens", "40", "--json",
-                            "--mode", mode], capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mlx_dspark",
+                "generate",
+                "--model",
+                path,
+                "--prompt",
+                "the fox def add the fox def add the fox",
+                "--max-new-tokens",
+                "40",
+                "--json",
+                "--mode",
+                mode,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, r.stderr
         assert "cannot be rolled back" not in r.stderr
         out[mode] = json.loads(r.stdout)
@@ -241,8 +276,15 @@ def test_quantized_targets_stay_lossless(name):
     ids = md.encode_prompt(tok, "the fox def add hello world the fox")
     base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=50)
     assert base.tokens == independent_greedy(tgt, ids, 50, set(md.api.stop_token_ids(tgt, tok)))
-    res = md.generate(tgt, tok, None, prompt_ids=ids, proposer=_ScriptedProposer(base.tokens + [0] * 64),
-                      max_new_tokens=50, max_draft=5)
+    res = md.generate(
+        tgt,
+        tok,
+        None,
+        prompt_ids=ids,
+        proposer=_ScriptedProposer(base.tokens + [0] * 64),
+        max_new_tokens=50,
+        max_draft=5,
+    )
     assert res.tokens == base.tokens and res.text == base.text
     assert max(res.accept_lengths) > 1
 
@@ -260,11 +302,20 @@ def test_qwen3_moe_every_mode_lossless(quantize):
     ids = md.encode_prompt(tok, "the fox def add hello world the fox")
     base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=40)
     assert base.tokens == independent_greedy(tgt, ids, 40, set(md.api.stop_token_ids(tgt, tok)))
-    runs = [md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=40),
-            md.generate(tgt, tok, None, prompt_ids=ids, mode="dspark", drafter=ds, max_new_tokens=40),
-            md.generate(tgt, tok, None, prompt_ids=ids, mode="dflash", drafter=df, max_new_tokens=40),
-            md.generate(tgt, tok, None, prompt_ids=ids, proposer=_ScriptedProposer(base.tokens + [0] * 64),
-                        max_new_tokens=40, max_draft=5)]
+    runs = [
+        md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=40),
+        md.generate(tgt, tok, None, prompt_ids=ids, mode="dspark", drafter=ds, max_new_tokens=40),
+        md.generate(tgt, tok, None, prompt_ids=ids, mode="dflash", drafter=df, max_new_tokens=40),
+        md.generate(
+            tgt,
+            tok,
+            None,
+            prompt_ids=ids,
+            proposer=_ScriptedProposer(base.tokens + [0] * 64),
+            max_new_tokens=40,
+            max_draft=5,
+        ),
+    ]
     for r in runs:
         assert r.tokens == base.tokens and r.text == base.text
     assert max(runs[-1].accept_lengths) > 1
@@ -277,7 +328,7 @@ def test_snapshot_restores_a_cache_that_continues_bitwise(name):
     resumed from it (speculative, partial accepts) equals the cold baseline."""
     from test_rotating import gemma
 
-    tgt, tok = (gemma()[:2] if name == "gemma3_text" else family(name)[:2])
+    tgt, tok = gemma()[:2] if name == "gemma3_text" else family(name)[:2]
     ids = md.encode_prompt(tok, "the fox def add hello world the fox def add")
     cache = tgt.make_cache()
     tgt.forward(mx.array([ids[:-4]]), cache, last_only=True)
@@ -293,7 +344,14 @@ def test_snapshot_restores_a_cache_that_continues_bitwise(name):
         assert np.array_equal(np.array(a), np.array(b))
         assert_same_states(cache, r)
     base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=40)
-    resumed = loop.run(tgt, ids[-1:], _ScriptedProposer(base.tokens + [0] * 64), max_new_tokens=40, max_draft=5,
-                       cache=tgt.restore(snap), stop_token_ids=md.api.stop_token_ids(tgt, tok))
+    resumed = loop.run(
+        tgt,
+        ids[-1:],
+        _ScriptedProposer(base.tokens + [0] * 64),
+        max_new_tokens=40,
+        max_draft=5,
+        cache=tgt.restore(snap),
+        stop_token_ids=md.api.stop_token_ids(tgt, tok),
+    )
     assert resumed.tokens == base.tokens
     assert max(resumed.accept_lengths) > 1

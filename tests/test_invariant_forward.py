@@ -20,7 +20,8 @@ from mlx_dspark.models.loading import cast_scales_f32
 
 SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
 PRECISIONS = [("float32", None, None), ("bfloat16", None, None), ("float16", None, None)] + [
-    (dt, bits, group) for dt in ("bfloat16", "float32") for bits in (4, 8) for group in (32, 64, 128)]
+    (dt, bits, group) for dt in ("bfloat16", "float32") for bits in (4, 8) for group in (32, 64, 128)
+]
 MAX_W = 17
 
 gpu = pytest.mark.gpu
@@ -31,8 +32,11 @@ DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("gpu", id="gpu", marks=[g
 @pytest.fixture(scope="module")
 def path(model_dir):
     # hidden 128 so that group 128 divides every projection; GQA (4 heads, 2 kv heads), 3 layers
-    return str(model_dir("llama", layers=3, hidden=128, heads=4, kv_heads=2, intermediate=256, scale=2.0,
-                         seed=21, vocab_size=512))
+    return str(
+        model_dir(
+            "llama", layers=3, hidden=128, heads=4, kv_heads=2, intermediate=256, scale=2.0, seed=21, vocab_size=512
+        )
+    )
 
 
 def load(path, dtype, bits, group, device):
@@ -65,16 +69,18 @@ def check_property(target, rng):
         rows = target.forward(tokens[:, :w], cache).logits
         mx.eval(rows)
         for i in range(w):
-            assert mx.array_equal(rows[:, i], ones[i][:, 0]).item(), \
+            assert mx.array_equal(rows[:, i], ones[i][:, 0]).item(), (
                 f"row {i} of a width-{w} forward differs from the width-1 forward (prefix {len(prefix)}, seed {SEED})"
+            )
         if w == MAX_W:  # and the KV written by one wide forward equals the KV of the width-1 steps
             for a, c in zip(keys_one, cache):
                 assert mx.array_equal(a, c.state[0][..., : c.offset, :]).item()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,bits,group", PRECISIONS,
-                         ids=[f"{d}" + (f"-q{b}g{g}" if b else "") for d, b, g in PRECISIONS])
+@pytest.mark.parametrize(
+    "dtype,bits,group", PRECISIONS, ids=[f"{d}" + (f"-q{b}g{g}" if b else "") for d, b, g in PRECISIONS]
+)
 def test_rows_are_width_invariant(path, dtype, bits, group, device):
     try:
         target = load(path, dtype, bits, group, device)
@@ -85,9 +91,11 @@ def test_rows_are_width_invariant(path, dtype, bits, group, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,bits,group", [("float32", None, None), ("bfloat16", None, None),
-                                              ("bfloat16", 4, 64), ("float16", 8, 32)],
-                         ids=["float32", "bfloat16", "bf16-q4g64", "fp16-q8g32"])
+@pytest.mark.parametrize(
+    "dtype,bits,group",
+    [("float32", None, None), ("bfloat16", None, None), ("bfloat16", 4, 64), ("float16", 8, 32)],
+    ids=["float32", "bfloat16", "bf16-q4g64", "fp16-q8g32"],
+)
 def test_fixed_width_path_is_invariant(path, dtype, bits, group, device, monkeypatch):
     """The fixed-width path itself (padding, blocks wider than W, the invariant attention), forced
     where the native forward would already do: W = 16, so w = 17 runs as two blocks."""

@@ -12,8 +12,15 @@ import mlx_dspark as md
 from mlx_dspark.errors import UserError
 from mlx_dspark.models.target import Target
 
-PRECISIONS = [{"dtype": "bfloat16"}, {"quantize": 8}, {"quantize": 4}, {"dtype": "bfloat16", "quantize": 8},
-              {"dtype": "bfloat16", "quantize": 4}, {"dtype": "float16"}, {}]
+PRECISIONS = [
+    {"dtype": "bfloat16"},
+    {"quantize": 8},
+    {"quantize": 4},
+    {"dtype": "bfloat16", "quantize": 8},
+    {"dtype": "bfloat16", "quantize": 4},
+    {"dtype": "float16"},
+    {},
+]
 PROMPT = "repeat: the fox the fox the fox def add(a, b)"
 
 
@@ -57,10 +64,18 @@ class _WidthRounding:
         return bumped.astype(out.dtype)
 
 
-@pytest.mark.parametrize("kw", [{"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantize": 8},
-                                {"dtype": "bfloat16", "quantize": 4}, {"dtype": "float16", "quantize": 8},
-                                {"dtype": "bfloat16", "gpu_quantize": 8}, {"dtype": "bfloat16", "gpu_quantize": 4}],
-                         ids=["bf16", "bf16-q8", "bf16-q4", "fp16-q8", "bf16-q8-bf16scales", "bf16-q4-bf16scales"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"dtype": "bfloat16"},
+        {"dtype": "bfloat16", "quantize": 8},
+        {"dtype": "bfloat16", "quantize": 4},
+        {"dtype": "float16", "quantize": 8},
+        {"dtype": "bfloat16", "gpu_quantize": 8},
+        {"dtype": "bfloat16", "gpu_quantize": 4},
+    ],
+    ids=["bf16", "bf16-q8", "bf16-q4", "fp16-q8", "bf16-q8-bf16scales", "bf16-q4-bf16scales"],
+)
 def test_width_dependent_rounding_is_accepted(path, kw):
     kw = dict(kw)
     bits = kw.pop("gpu_quantize", None)
@@ -90,8 +105,9 @@ def _broken_cache(self):
     return [_TrimsTheWrongEnd() for _ in self.layers]
 
 
-@pytest.mark.parametrize("kw", [{}, {"dtype": "bfloat16"}, {"quantize": 8}, {"quantize": 4}],
-                         ids=["f32", "bf16", "q8", "q4"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"dtype": "bfloat16"}, {"quantize": 8}, {"quantize": 4}], ids=["f32", "bf16", "q8", "q4"]
+)
 def test_broken_rollback_loads_for_baseline_and_refuses_speculation(path, kw, monkeypatch):
     good, tok = md.load_target(path, **kw)
     want = md.generate(good, tok, PROMPT, mode="baseline", max_new_tokens=30)

@@ -23,7 +23,6 @@ SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
 POISON = -77
 
 
-
 def poison(*shapes):
     """Leave freed int32 buffers full of POISON in MLX's cache, sized like the outputs to come."""
     bufs = [mx.full(s, POISON, dtype=mx.int32) for s in shapes for _ in range(2)]
@@ -60,8 +59,7 @@ def check_greedy(lg, draft, ext):
         assert mx.array_equal(a, b).item(), f"{name} differs (seed {SEED}): {a} vs {b}"
 
 
-CASES = [(V, w, dt) for V in (49152, 151936) for w in (1, 2, 5, 8, 16)
-         for dt in (mx.float32, mx.float16, mx.bfloat16)]
+CASES = [(V, w, dt) for V in (49152, 151936) for w in (1, 2, 5, 8, 16) for dt in (mx.float32, mx.float16, mx.bfloat16)]
 
 
 @pytest.mark.parametrize("V,w,dtype", CASES)
@@ -207,8 +205,13 @@ def test_sampling_is_lossless_in_distribution(with_q):
     d = rng.choice(V, size=N, p=src / src.sum()).astype(np.int32)
     p = mx.broadcast_to(mx.array(p0)[None, None], (N, 2, V))
     q = mx.broadcast_to(mx.array(q0)[None, None], (N, 1, V)) if with_q else None
-    acc, bon = kernels.sampling_accept(p, q, mx.array(d)[:, None], mx.array(rng.random((N, 1), dtype=np.float32)),
-                                       mx.array(rng.random(N, dtype=np.float32)))
+    acc, bon = kernels.sampling_accept(
+        p,
+        q,
+        mx.array(d)[:, None],
+        mx.array(rng.random((N, 1), dtype=np.float32)),
+        mx.array(rng.random(N, dtype=np.float32)),
+    )
     tok = np.where(np.array(acc) > 0, d, np.array(bon))
     counts = np.bincount(tok, minlength=V)
     expect = p0 / p0.sum() * N

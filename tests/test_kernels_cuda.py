@@ -14,8 +14,7 @@ from mlx_dspark import kernels
 from mlx_dspark.kernels import gpu
 from mlx_dspark.kernels.reference import greedy_accept_reference, sampling_accept_reference
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")]
 
 SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
 
@@ -31,8 +30,13 @@ def test_poison_mechanism_shows_unwritten_outputs():
         poison = mx.full((4096,), -77, dtype=mx.int32)
         mx.eval(poison)
         del poison
-        (out,) = k(inputs=[mx.zeros((1,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
-                   output_shapes=[(4096,)], output_dtypes=[mx.int32])
+        (out,) = k(
+            inputs=[mx.zeros((1,))],
+            grid=(32, 1, 1),
+            threadgroup=(32, 1, 1),
+            output_shapes=[(4096,)],
+            output_dtypes=[mx.int32],
+        )
         mx.eval(out)
         if (out == -77).any().item():
             return
@@ -61,8 +65,7 @@ def check(got, want, what):
         assert mx.array_equal(a, b).item(), f"{what} (seed {SEED}): {a} vs {b}"
 
 
-GREEDY = [(V, w, dt) for V in (49152, 151936) for w in (1, 2, 3, 8, 16)
-          for dt in (mx.float32, mx.float16, mx.bfloat16)]
+GREEDY = [(V, w, dt) for V in (49152, 151936) for w in (1, 2, 3, 8, 16) for dt in (mx.float32, mx.float16, mx.bfloat16)]
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -93,8 +96,11 @@ def test_greedy_nan_order_matches_mx_argmax():
     x[0, 1, :] = -np.inf
     x[0, 1, 12345] = np.nan
     lg = mx.array(x)
-    check(gpu.greedy_accept(lg, mx.zeros((1, 2), mx.int32)), greedy_accept_reference(lg, mx.zeros((1, 2), mx.int32)),
-          "NaN")
+    check(
+        gpu.greedy_accept(lg, mx.zeros((1, 2), mx.int32)),
+        greedy_accept_reference(lg, mx.zeros((1, 2), mx.int32)),
+        "NaN",
+    )
 
 
 def sampling_inputs(B, w, V, i, with_q):
@@ -159,4 +165,4 @@ def test_wide_gemm_numerics_on_cuda():
     a = ql(x).astype(mx.float32)
     b = wg.dense_quantized_linear(ql, x).astype(mx.float32)
     rel = (mx.abs(a - b).max() / mx.abs(a).max()).item()
-    assert rel < 2 ** -7, rel
+    assert rel < 2**-7, rel

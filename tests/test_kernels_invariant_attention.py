@@ -8,22 +8,31 @@ from __future__ import annotations
 import os
 import random
 
+import kernel_text as kt
 import mlx.core as mx
 import pytest
 
-import kernel_text as kt
 from mlx_dspark.kernels import gpu_source as gs
 from mlx_dspark.kernels import invariant as inv
 
 SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
-SHAPES = [(1, 4, 1, 2, 37, 64), (1, 4, 16, 2, 300, 64), (2, 9, 16, 3, 129, 64), (1, 8, 5, 8, 128, 128),
-          (1, 2, 17, 1, 640, 256), (1, 6, 3, 2, 3, 80)]  # B, H, Lq, Hkv, Lk, D
+SHAPES = [
+    (1, 4, 1, 2, 37, 64),
+    (1, 4, 16, 2, 300, 64),
+    (2, 9, 16, 3, 129, 64),
+    (1, 8, 5, 8, 128, 128),
+    (1, 2, 17, 1, 640, 256),
+    (1, 6, 3, 2, 3, 80),
+]  # B, H, Lq, Hkv, Lk, D
 
 
 def inputs(B, H, Lq, Hkv, Lk, D, dtype, i):
     k1, k2, k3 = mx.random.split(mx.random.key(SEED * 100 + i), 3)
-    return (mx.random.normal((B, H, Lq, D), key=k1).astype(dtype), mx.random.normal((B, Hkv, Lk, D), key=k2).astype(dtype),
-            mx.random.normal((B, Hkv, Lk, D), key=k3).astype(dtype))
+    return (
+        mx.random.normal((B, H, Lq, D), key=k1).astype(dtype),
+        mx.random.normal((B, Hkv, Lk, D), key=k2).astype(dtype),
+        mx.random.normal((B, Hkv, Lk, D), key=k3).astype(dtype),
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -32,8 +41,9 @@ def test_reference_matches_mlx_attention(shape, dtype):
     q, k, v = inputs(*shape, dtype, 1)
     scale = shape[-1] ** -0.5
     mask = "causal" if shape[2] > 1 else None
-    want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32),
-                                                scale=scale, mask=mask)
+    want = mx.fast.scaled_dot_product_attention(
+        q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale=scale, mask=mask
+    )
     got = inv.invariant_attention_reference(q, k, v, scale)
     assert got.dtype == dtype and got.shape == q.shape
     tol = 1e-5 if dtype == mx.float32 else 2e-2
@@ -78,15 +88,16 @@ def test_cpu_matmul_form_is_width_invariant(dtype):
 def _parse_tools():
     import test_metal_check as tmc
 
-    extra = ("float expf(float);\n__half __float2half(float);\n__nv_bfloat16 __float2bfloat16(float);\n")
+    extra = "float expf(float);\n__half __float2half(float);\n__nv_bfloat16 __float2bfloat16(float);\n"
     return tmc.parse, tmc.METAL_STUB, tmc.CUDA_STUB + extra
 
 
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
 def test_metal_instance_parses(dt):
     parse, metal_stub, _ = _parse_tools()
-    src = kt.metal_kernel_text(inv.metal_instance(), [(dt, 4, 10**4), (dt, 4, 10**5), (dt, 4, 10**5), ("float32", 1, 1)],
-                               [dt], [("T", dt)])
+    src = kt.metal_kernel_text(
+        inv.metal_instance(), [(dt, 4, 10**4), (dt, 4, 10**5), (dt, 4, 10**5), ("float32", 1, 1)], [dt], [("T", dt)]
+    )
     assert "q_strides" in src and "constant float* scale" in src
     assert parse(src, metal_stub, f"ia_metal_{dt}") == []
 
@@ -108,7 +119,9 @@ def test_a_broken_body_fails_both_compile_checks():
     assert parse(src, metal_stub, "ia_broken_metal")
     cg = inv.cuda_instance()
     c = gs.Instance(cg.name, cg.input_names, cg.output_names, cg.source, body)
-    assert parse(kt.cuda_kernel_text(c, [("float32", 4)] * 4, ["float32"], [("T", "float32")]), cuda_stub, "ia_broken_cuda")
+    assert parse(
+        kt.cuda_kernel_text(c, [("float32", 4)] * 4, ["float32"], [("T", "float32")]), cuda_stub, "ia_broken_cuda"
+    )
 
 
 def test_gpu_body_runs_on_cpu_threads(tmp_path):
@@ -123,8 +136,12 @@ def test_gpu_body_runs_on_cpu_threads(tmp_path):
     assert gxx, "g++ is needed (MLX's CPU backend compiles its kernels with it)"
     src = Path(__file__).parent / "emulation" / "invariant_attention_emu.cpp"
     exe = tmp_path / "emu"
-    subprocess.run([gxx, "-std=c++20", "-O1", "-pthread", "-I", str(gs.GPU_DIR), str(src), "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [gxx, "-std=c++20", "-O1", "-pthread", "-I", str(gs.GPU_DIR), str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.startswith("OK"), run.stdout + run.stderr
 
@@ -150,7 +167,9 @@ def test_cuda_matches_reference(shape, dtype, on_gpu):
     got = inv.invariant_attention_gpu(q, k, v, scale, lang="cuda")
     want = inv.invariant_attention_reference(q, k, v, scale)
     tol = 1e-5 if dtype == mx.float32 else 2e-2
-    assert got.dtype == dtype and mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+    assert (
+        got.dtype == dtype and mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+    )
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])

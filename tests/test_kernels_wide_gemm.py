@@ -60,7 +60,7 @@ def test_half_precision_difference_is_bounded(dtype):
     got = wg.dense_quantized_linear(ql, x, compute="float32")
     assert got.dtype == dtype
     d_err = np.abs(np.array(got.astype(mx.float32)) - exact).max() / scale
-    ulp = 2.0 ** -8 if dtype == mx.bfloat16 else 2.0 ** -11
+    ulp = 2.0**-8 if dtype == mx.bfloat16 else 2.0**-11
     assert d_err <= 2 * ulp, (d_err, q_err)
     assert d_err <= q_err, (d_err, q_err)
 

@@ -12,8 +12,28 @@ from mlx_dspark.decode import loop
 from mlx_dspark.decode.lookup import LookupProposer
 from mlx_dspark.decode.proposers import Draft, Proposer
 
-WORDS = ["the", "fox", "def", "add", "(a, b)", "return", "print", "Paris", "weather", "1 2 3", "{", "}",
-         "café", "日本語", "repeat", "hello", "world", "\n", "    ", "x = x + 1"]
+WORDS = [
+    "the",
+    "fox",
+    "def",
+    "add",
+    "(a, b)",
+    "return",
+    "print",
+    "Paris",
+    "weather",
+    "1 2 3",
+    "{",
+    "}",
+    "café",
+    "日本語",
+    "repeat",
+    "hello",
+    "world",
+    "\n",
+    "    ",
+    "x = x + 1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +51,9 @@ def independent_greedy(target, prompt_ids, n, stops):
     from mlx_lm.generate import generate_step
 
     out = []
-    for tok, _ in generate_step(mx.array(prompt_ids), target.model, max_tokens=n,
-                                sampler=lambda lp: mx.argmax(lp, axis=-1)):
+    for tok, _ in generate_step(
+        mx.array(prompt_ids), target.model, max_tokens=n, sampler=lambda lp: mx.argmax(lp, axis=-1)
+    ):
         tok = int(tok)
         if tok in stops:
             break
@@ -49,8 +70,7 @@ def test_lookup_equals_baseline_equals_mlx_lm(targets, prompt, n, which, long_dr
     target, tok = list(targets.values())[which]
     ids = md.encode_prompt(tok, prompt)
     base = md.generate(target, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=n)
-    look = md.generate(target, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=n,
-                       lookup_long_draft=long_draft)
+    look = md.generate(target, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=n, lookup_long_draft=long_draft)
     assert look.tokens == base.tokens
     assert len(base.tokens) <= n
     ref = independent_greedy(target, ids, n, set(md.api.stop_token_ids(target, tok)))
@@ -130,15 +150,21 @@ def test_stop_strings_and_callbacks(targets):
     stop = full.text[10:14]
     assert stop
     chunks = []
-    res = md.generate(target, tok, "hello world", mode="lookup", max_new_tokens=30, stop=[stop],
-                      on_text=chunks.append)
+    res = md.generate(target, tok, "hello world", mode="lookup", max_new_tokens=30, stop=[stop], on_text=chunks.append)
     assert res.text == full.text[: full.text.find(stop)]
     assert "".join(chunks) == res.text
     assert res.finish_reason == "stop"
     # Cancellation stops within one round.
     seen = []
-    res = md.generate(target, tok, "hello world", mode="baseline", max_new_tokens=30,
-                      on_text=seen.append, cancel=lambda: len(seen) >= 1)
+    res = md.generate(
+        target,
+        tok,
+        "hello world",
+        mode="baseline",
+        max_new_tokens=30,
+        on_text=seen.append,
+        cancel=lambda: len(seen) >= 1,
+    )
     assert res.finish_reason == "cancelled" and len(res.tokens) <= 3
 
 
@@ -184,13 +210,29 @@ def test_prefill_reports_progress_and_a_prefix_hit_starts_past_it(targets, monke
     ids = md.encode_prompt(tok, " ".join(WORDS))
     seen = []
     pc = PrefixCache(target)
-    res = md.generate(target, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=4, prefix_cache=pc,
-                      on_prefill=lambda done, total: seen.append((done, total)))
+    res = md.generate(
+        target,
+        tok,
+        None,
+        prompt_ids=ids,
+        mode="baseline",
+        max_new_tokens=4,
+        prefix_cache=pc,
+        on_prefill=lambda done, total: seen.append((done, total)),
+    )
     n = len(ids)
     assert seen == [(min(8 * (i + 1), n - 1), n) for i in range((n - 2) // 8 + 1)]
     seen.clear()
-    again = md.generate(target, tok, None, prompt_ids=ids + res.tokens + [5] * 9, mode="baseline",
-                        max_new_tokens=4, prefix_cache=pc, on_prefill=lambda done, total: seen.append((done, total)))
+    again = md.generate(
+        target,
+        tok,
+        None,
+        prompt_ids=ids + res.tokens + [5] * 9,
+        mode="baseline",
+        max_new_tokens=4,
+        prefix_cache=pc,
+        on_prefill=lambda done, total: seen.append((done, total)),
+    )
     assert again.cached_tokens == n + len(res.tokens) - 1 and seen[0] == (again.cached_tokens, n + len(res.tokens) + 9)
     assert seen[-1][0] == n + len(res.tokens) + 8
 

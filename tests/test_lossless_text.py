@@ -26,8 +26,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from drafter_fixtures import perm_chain, target, workspace
+
 from mlx_dspark.api import encode_prompt, generate, stream_generate
 from mlx_dspark.decode.proposers import Draft, Proposer
 from mlx_dspark.models.drafters import load_drafter
@@ -74,12 +74,16 @@ def test_python_text_equals_baseline_when_eos_ends_a_round(perm_eos, key):
     _, t, tok, ids, expected = perm_eos
     drafter = load_drafter(str(workspace()[key]), t, bits=16)
     base = generate(t, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=64)
-    res = generate(t, tok, None, prompt_ids=ids, mode=drafter.kind, drafter=drafter, max_new_tokens=64,
-                   lookup_drafts=False)
+    res = generate(
+        t, tok, None, prompt_ids=ids, mode=drafter.kind, drafter=drafter, max_new_tokens=64, lookup_drafts=False
+    )
     _check(res, base, tok, expected)
     assert max(res.accept_lengths) > 1  # the drafts were accepted: EOS came inside a round
-    streamed = list(stream_generate(t, tok, None, prompt_ids=ids, mode=drafter.kind, drafter=drafter,
-                                    max_new_tokens=64, lookup_drafts=False))
+    streamed = list(
+        stream_generate(
+            t, tok, None, prompt_ids=ids, mode=drafter.kind, drafter=drafter, max_new_tokens=64, lookup_drafts=False
+        )
+    )
     assert "".join(streamed[:-1]) == base.text
     _check(streamed[-1], base, tok)
     spec = speculative_generate(t, tok, drafter, PROMPT, max_new_tokens=64)
@@ -128,22 +132,31 @@ def test_oracle_rounds_keep_the_text_at_every_stop_offset(model_dir, tmp_path, s
     base = generate(t, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=24)
     assert base.tokens == truth[:stop_at]
     for max_draft in (3, 8):
-        res = generate(t, tok, None, prompt_ids=ids, proposer=Oracle(len(ids), truth), max_new_tokens=24,
-                       max_draft=max_draft)
+        res = generate(
+            t, tok, None, prompt_ids=ids, proposer=Oracle(len(ids), truth), max_new_tokens=24, max_draft=max_draft
+        )
         _check(res, base, tok)
 
 
 # ----------------------------------------------------------------------------- CLI
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlx_dspark", "generate", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", "generate", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_text_equals_baseline_on_every_output_form(perm_eos):
     d, _, _, _, expected = perm_eos
     common = ["--model", str(d), "--prompt", PROMPT, "--max-new-tokens", "64"]
-    spark = ["--mode", "dspark", "--drafter", str(workspace()["perm_dspark"]), "--drafter-bits", "16",
-             "--no-lookup-drafts"]
+    spark = [
+        "--mode",
+        "dspark",
+        "--drafter",
+        str(workspace()["perm_dspark"]),
+        "--drafter-bits",
+        "16",
+        "--no-lookup-drafts",
+    ]
     base = _cli(*common, "--mode", "baseline", "--json")
     assert base.returncode == 0, base.stderr
     base_json = json.loads(base.stdout)
@@ -166,20 +179,22 @@ class _Server:
         from mlx_dspark.serve.engine import Engine
         from mlx_dspark.serve.http import make_server
 
-        self.engine = Engine(t, tok, drafter=drafter, mode=mode, drafter_options={"lookup_drafts": False},
-                             default_max_tokens=64)
+        self.engine = Engine(
+            t, tok, drafter=drafter, mode=mode, drafter_options={"lookup_drafts": False}, default_max_tokens=64
+        )
         self.server = make_server(self.engine, "127.0.0.1", 0, idle_timeout=10.0)
         self.engine.start()
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
 
     def post(self, path, body, stream=False):
         import urllib.request
 
-        req = urllib.request.Request(self.server.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "x-api-key": "k",
-                                              "anthropic-version": "2023-06-01"})
+        req = urllib.request.Request(
+            self.server.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "x-api-key": "k", "anthropic-version": "2023-06-01"},
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             raw = r.read().decode()
         if not stream:
@@ -202,8 +217,9 @@ def _texts(srv, ids):
     out = {}
     r = srv.post("/v1/chat/completions", chat)
     out[("chat", False)] = (r["choices"][0]["message"]["content"], r["usage"]["completion_tokens"])
-    ev = srv.post("/v1/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": True}},
-                  stream=True)
+    ev = srv.post(
+        "/v1/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": True}}, stream=True
+    )
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in ev if e.get("choices"))
     out[("chat", True)] = (text, [e for e in ev if e.get("usage")][-1]["usage"]["completion_tokens"])
     comp = {"model": srv.engine.model_id, "prompt": ids, "max_tokens": 64}
@@ -212,8 +228,10 @@ def _texts(srv, ids):
     ev = srv.post("/v1/completions", {**comp, "stream": True}, stream=True)
     out[("completions", True)] = ("".join(e["choices"][0].get("text") or "" for e in ev if e.get("choices")), None)
     r = srv.post("/v1/messages", chat)
-    out[("messages", False)] = ("".join(b["text"] for b in r["content"] if b["type"] == "text"),
-                                r["usage"]["output_tokens"])
+    out[("messages", False)] = (
+        "".join(b["text"] for b in r["content"] if b["type"] == "text"),
+        r["usage"]["output_tokens"],
+    )
     ev = srv.post("/v1/messages", {**chat, "stream": True}, stream=True)
     text = "".join(e["delta"].get("text", "") for e in ev if e.get("type") == "content_block_delta")
     used = [e["usage"]["output_tokens"] for e in ev if e.get("type") == "message_delta"]

@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import kernel_text as kt
 import pytest
 
-import kernel_text as kt
 from mlx_dspark.kernels import gpu_source as gs
 
 try:
@@ -105,43 +105,89 @@ def parse(src: str, stub: str, label: str, extra_args=()) -> list[str]:
     main, stub_path = f"/ds_check/{label}.cpp", "/ds_check/stub.h"
     tu = ci.Index.create().parse(
         main,
-        args=["-x", "c++", "-std=c++17", "-fsyntax-only", "-nostdinc", "-nostdinc++", "-include", stub_path,
-              "-Wno-unknown-attributes", "-Wno-ignored-attributes", "-Wno-pragma-once-outside-header",
-              *extra_args],
-        unsaved_files=[(main, src), (stub_path, stub)])
-    return [f"{label}:{d.location.line}:{d.location.column}: {d.spelling}" for d in tu.diagnostics
-            if d.severity >= ci.Diagnostic.Warning and not any(s in d.spelling for s in IGNORED)]
+        args=[
+            "-x",
+            "c++",
+            "-std=c++17",
+            "-fsyntax-only",
+            "-nostdinc",
+            "-nostdinc++",
+            "-include",
+            stub_path,
+            "-Wno-unknown-attributes",
+            "-Wno-ignored-attributes",
+            "-Wno-pragma-once-outside-header",
+            *extra_args,
+        ],
+        unsaved_files=[(main, src), (stub_path, stub)],
+    )
+    return [
+        f"{label}:{d.location.line}:{d.location.column}: {d.spelling}"
+        for d in tu.diagnostics
+        if d.severity >= ci.Diagnostic.Warning and not any(s in d.spelling for s in IGNORED)
+    ]
 
 
 # inputs as (dtype, ndim, size): sizes below 8 go to Metal's constant address space
 def metal_cases():
     inst = gs.metal_instances()
     for dt in ("float32", "float16", "bfloat16"):
-        yield f"ga_partial_{dt}", kt.metal_kernel_text(inst["ga_partial"], [(dt, 3, 5 * 151936)], ["int32"],
-                                                       [("CH", gs.GA_CHUNK)])
+        yield (
+            f"ga_partial_{dt}",
+            kt.metal_kernel_text(inst["ga_partial"], [(dt, 3, 5 * 151936)], ["int32"], [("CH", gs.GA_CHUNK)]),
+        )
     for size in (4, 64):
-        yield f"ga_finalize_{size}", kt.metal_kernel_text(
-            inst["ga_finalize"], [("int32", 1, 999), ("int32", 2, size), ("int32", 1, 4)], ["int32"] * 3)
+        yield (
+            f"ga_finalize_{size}",
+            kt.metal_kernel_text(
+                inst["ga_finalize"], [("int32", 1, 999), ("int32", 2, size), ("int32", 1, 4)], ["int32"] * 3
+            ),
+        )
         for has_q in (True, False):
-            yield f"sa_{size}_{has_q}", kt.metal_kernel_text(
-                inst["sa"], [("float32", 3, 999), ("float32", 3 if has_q else 1, 999 if has_q else 1),
-                             ("int32", 2, size), ("float32", 2, size), ("float32", 1, size // 4)],
-                ["int32", "int32"], [("HAS_Q", has_q)])
+            yield (
+                f"sa_{size}_{has_q}",
+                kt.metal_kernel_text(
+                    inst["sa"],
+                    [
+                        ("float32", 3, 999),
+                        ("float32", 3 if has_q else 1, 999 if has_q else 1),
+                        ("int32", 2, size),
+                        ("float32", 2, size),
+                        ("float32", 1, size // 4),
+                    ],
+                    ["int32", "int32"],
+                    [("HAS_Q", has_q)],
+                ),
+            )
 
 
 def cuda_cases():
     inst = gs.cuda_instances()
     for dt in ("float32", "float16", "bfloat16"):
-        yield f"cuda_ga_fused_{dt}", kt.cuda_kernel_text(inst["ga_fused"], [(dt, 3), ("int32", 2), ("int32", 1)], ["int32"] * 5,
-                                                         [("CH", gs.GA_CHUNK)])
-        yield f"cuda_ga_partial_{dt}", kt.cuda_kernel_text(inst["ga_partial"], [(dt, 3)], ["int32"],
-                                                           [("CH", gs.GA_CHUNK)])
-    yield "cuda_ga_finalize", kt.cuda_kernel_text(inst["ga_finalize"], [("int32", 1), ("int32", 2), ("int32", 1)],
-                                                  ["int32"] * 3)
+        yield (
+            f"cuda_ga_fused_{dt}",
+            kt.cuda_kernel_text(
+                inst["ga_fused"], [(dt, 3), ("int32", 2), ("int32", 1)], ["int32"] * 5, [("CH", gs.GA_CHUNK)]
+            ),
+        )
+        yield (
+            f"cuda_ga_partial_{dt}",
+            kt.cuda_kernel_text(inst["ga_partial"], [(dt, 3)], ["int32"], [("CH", gs.GA_CHUNK)]),
+        )
+    yield (
+        "cuda_ga_finalize",
+        kt.cuda_kernel_text(inst["ga_finalize"], [("int32", 1), ("int32", 2), ("int32", 1)], ["int32"] * 3),
+    )
     for has_q in (True, False):
-        yield f"cuda_sa_{has_q}", kt.cuda_kernel_text(
-            inst["sa"], [("float32", 3), ("float32", 3), ("int32", 2), ("float32", 2), ("float32", 1)],
-            ["int32", "int32"], [("HAS_Q", has_q)])
+        yield (
+            f"cuda_sa_{has_q}",
+            kt.cuda_kernel_text(
+                inst["sa"],
+                [("float32", 3), ("float32", 3), ("int32", 2), ("float32", 2), ("float32", 1)],
+                ["int32", "int32"],
+                [("HAS_Q", has_q)],
+            ),
+        )
 
 
 @pytest.mark.parametrize("label,src", list(metal_cases()), ids=lambda x: x if len(x) < 40 else "")
@@ -162,12 +208,15 @@ def test_metallib_source_parses():
 
 BROKEN = {  # a launcher with one mistake each, and the diagnostic it must produce
     "typo": ("ds_ga_partial(c, logits, V, CH, nch, part, part + R * nchh, sv, si);", "nchh"),
-    "undeclared": ("ds_ga_partial(c, logits, V, CH, nch, part, part + R * nch, sv, si); simd_summ(V);",
-                   "simd_summ"),
-    "wrong_type": ("ds_ga_partial(c, logits, V, CH, nch, part, part + R * nch, sv, si); c.tid.x = 0;",
-                   "member reference"),
-    "address_space": ("ds_ga_partial(c, logits, V, CH, nch, part, part + R * nch, sv, si);"
-                      " const device int* d2 = dims_c;", "constant int const"),
+    "undeclared": ("ds_ga_partial(c, logits, V, CH, nch, part, part + R * nch, sv, si); simd_summ(V);", "simd_summ"),
+    "wrong_type": (
+        "ds_ga_partial(c, logits, V, CH, nch, part, part + R * nch, sv, si); c.tid.x = 0;",
+        "member reference",
+    ),
+    "address_space": (
+        "ds_ga_partial(c, logits, V, CH, nch, part, part + R * nch, sv, si); const device int* d2 = dims_c;",
+        "constant int const",
+    ),
 }
 
 
@@ -177,8 +226,9 @@ def test_broken_metal_body_fails(kind):
     good = gs.metal_instances()["ga_partial"]
     call = "ds_ga_partial(c, logits, V, CH, nch, part, part + R * nch, sv, si);"
     assert call in good.source
-    bad = gs.Instance(good.name, good.input_names + ("dims_c",), good.output_names,
-                      good.source.replace(call, line), good.header)
+    bad = gs.Instance(
+        good.name, good.input_names + ("dims_c",), good.output_names, good.source.replace(call, line), good.header
+    )
     src = kt.metal_kernel_text(bad, [("float32", 3, 10**6), ("int32", 1, 4)], ["int32"], [("CH", gs.GA_CHUNK)])
     errs = parse(src, METAL_STUB, "broken_" + kind)
     assert errs, f"the broken body ({kind}) parsed cleanly"
@@ -191,11 +241,19 @@ def test_broken_shared_body_fails():
     assert body != gs.body_text()
     inst = gs.metal_instances()["sa"]
     bad = gs.Instance(inst.name, inst.input_names, inst.output_names, inst.source, body)
-    src = kt.metal_kernel_text(bad, [("float32", 3, 999), ("float32", 3, 999), ("int32", 2, 99),
-                                     ("float32", 2, 99), ("float32", 1, 9)], ["int32"] * 2, [("HAS_Q", True)])
+    src = kt.metal_kernel_text(
+        bad,
+        [("float32", 3, 999), ("float32", 3, 999), ("int32", 2, 99), ("float32", 2, 99), ("float32", 1, 9)],
+        ["int32"] * 2,
+        [("HAS_Q", True)],
+    )
     assert any("ds_warp_sum64" in e or "too many arguments" in e for e in parse(src, METAL_STUB, "bad_body"))
     cinst = gs.cuda_instances()["sa"]
     cbad = gs.Instance(cinst.name, cinst.input_names, cinst.output_names, cinst.source, body)
-    csrc = kt.cuda_kernel_text(cbad, [("float32", 3), ("float32", 3), ("int32", 2), ("float32", 2), ("float32", 1)],
-                               ["int32"] * 2, [("HAS_Q", True)])
+    csrc = kt.cuda_kernel_text(
+        cbad,
+        [("float32", 3), ("float32", 3), ("int32", 2), ("float32", 2), ("float32", 1)],
+        ["int32"] * 2,
+        [("HAS_Q", True)],
+    )
     assert parse(csrc, CUDA_STUB, "bad_body_cuda")

@@ -17,7 +17,6 @@ from mlx_dspark.kernels import native as _native
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 def source_hash(with_metal: bool) -> str:
     """What CMakeLists.txt computes: sha256 over 'relpath:sha256\\n' of the consumed sources."""
     files = [p for p in (ROOT / "csrc").iterdir() if p.is_file()] + [ROOT / "CMakeLists.txt"]
@@ -30,8 +29,8 @@ def source_hash(with_metal: bool) -> str:
 
 def test_extension_is_built_from_these_sources(ext):
     assert ext.source_hash == source_hash(ext.has_metal), (
-        "the installed mlx_dspark._ext was built from other sources; rebuild: "
-        "pip install --no-build-isolation -e .")
+        "the installed mlx_dspark._ext was built from other sources; rebuild: pip install --no-build-isolation -e ."
+    )
 
 
 def test_extension_matches_mlx(ext):
@@ -63,8 +62,11 @@ def test_primitives_are_in_the_graph(ext):
     real = ext.greedy_accept
     try:
         ext_fn = lambda *a, **k: calls.append(1) or real(*a, **k)  # noqa: E731
-        _native._state["ext"] = type("Spy", (), {"greedy_accept": staticmethod(ext_fn), "has_metal": False,
-                                                 "sampling_accept": ext.sampling_accept})()
+        _native._state["ext"] = type(
+            "Spy",
+            (),
+            {"greedy_accept": staticmethod(ext_fn), "has_metal": False, "sampling_accept": ext.sampling_accept},
+        )()
         n, nxt = GreedyAcceptor().verify(lg[0], Draft(tokens=[int(t) for t in mx.argmax(lg[0, :2], -1).tolist()]), [])
     finally:
         _native._state["ext"] = ext
@@ -125,17 +127,31 @@ class Device : public NS::Object {};
 
 def parse_metal_branch(tmp_path, source: str) -> list[str]:
     import clang.cindex as ci
+
     (tmp_path / "Metal").mkdir(exist_ok=True)
     (tmp_path / "Metal" / "Metal.hpp").write_text(METAL_CPP_STUB)
     mlx_inc = Path(list(__import__("mlx").__path__)[0]) / "include"
     gcc_inc = subprocess.run(["g++", "-print-file-name=include"], capture_output=True, text=True).stdout.strip()
     tu = ci.Index.create().parse(
         str(ROOT / "csrc" / "eval_gpu.cpp"),
-        args=["-x", "c++", "-std=c++20", "-fsyntax-only", "-D_METAL_", "-DDSPARK_METALLIB=1",
-              f"-I{tmp_path}", f"-I{mlx_inc}", f"-I{ROOT / 'csrc'}", "-isystem", gcc_inc],
-        unsaved_files=[(str(ROOT / "csrc" / "eval_gpu.cpp"), source)])
-    return [(str(d.location.file), d.location.line, d.spelling) for d in tu.diagnostics
-            if d.severity >= ci.Diagnostic.Error]
+        args=[
+            "-x",
+            "c++",
+            "-std=c++20",
+            "-fsyntax-only",
+            "-D_METAL_",
+            "-DDSPARK_METALLIB=1",
+            f"-I{tmp_path}",
+            f"-I{mlx_inc}",
+            f"-I{ROOT / 'csrc'}",
+            "-isystem",
+            gcc_inc,
+        ],
+        unsaved_files=[(str(ROOT / "csrc" / "eval_gpu.cpp"), source)],
+    )
+    return [
+        (str(d.location.file), d.location.line, d.spelling) for d in tu.diagnostics if d.severity >= ci.Diagnostic.Error
+    ]
 
 
 def test_metal_eval_gpu_typechecks(tmp_path):
@@ -145,8 +161,9 @@ def test_metal_eval_gpu_typechecks(tmp_path):
     src = (ROOT / "csrc" / "eval_gpu.cpp").read_text()
     assert "#ifdef _METAL_" in src
     n = src.count("\n") + 1
-    broken = src + ("\nnamespace dspark {\nvoid ds_broken(mx::metal::CommandEncoder& enc) {\n"
-                    "  enc.set_bytez(1, 2);\n}\n}\n")
+    broken = src + (
+        "\nnamespace dspark {\nvoid ds_broken(mx::metal::CommandEncoder& enc) {\n  enc.set_bytez(1, 2);\n}\n}\n"
+    )
     errs = parse_metal_branch(tmp_path, broken)
     assert any("set_bytez" in msg for _, _, msg in errs), errs
     assert all(f.endswith("eval_gpu.cpp") and line > n for f, line, _ in errs), errs

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from drafter_fixtures import target, workspace, write_deepspec
 from fixtures import write_model
+
 from mlx_dspark.api import encode_prompt, generate
 from mlx_dspark.errors import UserError
 from mlx_dspark.models.demo import find_demo_gguf
@@ -19,13 +19,13 @@ from mlx_dspark.models.drafters import load_drafter
 from mlx_dspark.models.loading import load_target
 
 DEMO = find_demo_gguf()
-needs_demo = pytest.mark.skipif(DEMO is None, reason="the demo GGUF is not here: run "
-                                "`python -m mlx_dspark.models.demo fetch` (CI does)")
+needs_demo = pytest.mark.skipif(
+    DEMO is None, reason="the demo GGUF is not here: run `python -m mlx_dspark.models.demo fetch` (CI does)"
+)
 
 
 def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlx_dspark", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "mlx_dspark", *args], capture_output=True, text=True, timeout=timeout)
 
 
 # ------------------------------------------------------------------ mode resolution
@@ -73,8 +73,16 @@ def test_python_errors_name_keywords_not_flags():
 def test_python_drafter_may_be_a_folder():
     ws = workspace()
     t, tok = target(ws["target_perm"])
-    res = generate(t, tok, "a b", mode="dspark", drafter=str(ws["perm_dspark"]), drafter_bits=16,
-                   max_new_tokens=16, lookup_drafts=False)
+    res = generate(
+        t,
+        tok,
+        "a b",
+        mode="dspark",
+        drafter=str(ws["perm_dspark"]),
+        drafter_bits=16,
+        max_new_tokens=16,
+        lookup_drafts=False,
+    )
     base = generate(t, tok, "a b", mode="baseline", max_new_tokens=16)
     assert res.mode == "dspark" and res.tokens == base.tokens and res.text == base.text
     assert max(res.accept_lengths) > 1
@@ -146,13 +154,25 @@ def test_a_truncated_drafter_is_one_line(tmp_path):
     _truncate(d / "model.safetensors", -64)
     with pytest.raises(UserError, match="truncated or corrupt"):
         load_drafter(str(d), target(ws["target_qwen3"])[0], bits=16)
-    r = _cli("generate", "--model", str(ws["target_qwen3"]), "--drafter", str(d), "--mode", "dspark",
-             "--prompt", "hi", "--max-new-tokens", "4")
+    r = _cli(
+        "generate",
+        "--model",
+        str(ws["target_qwen3"]),
+        "--drafter",
+        str(d),
+        "--mode",
+        "dspark",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "4",
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and "truncated or corrupt" in r.stderr
 
 
-@pytest.mark.parametrize("field,value", [("hidden_size", 128), ("intermediate_size", 7),
-                                         ("num_attention_heads", 3), ("head_dim", 8)])
+@pytest.mark.parametrize(
+    "field,value", [("hidden_size", 128), ("intermediate_size", 7), ("num_attention_heads", 3), ("head_dim", 8)]
+)
 def test_a_config_that_contradicts_its_tensors_is_refused(tmp_path, field, value):
     ws = workspace()
     d = write_deepspec(tmp_path / "d", ws["target_qwen3"], config_overrides={field: value})
@@ -172,8 +192,19 @@ def test_models_table_fits_100_columns_and_names_the_demo_drafter():
 
 def test_logprobs_without_json_are_printed():
     ws = workspace()
-    r = _cli("generate", "--model", str(ws["target_qwen3"]), "--mode", "baseline", "--prompt", "hi",
-             "--max-new-tokens", "5", "--logprobs", "2")
+    r = _cli(
+        "generate",
+        "--model",
+        str(ws["target_qwen3"]),
+        "--mode",
+        "baseline",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "5",
+        "--logprobs",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     table = r.stderr.split("logprobs (token, logprob, top alternatives):\n")[1].splitlines()
     rows = [line for line in table if "\t" in line]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from drafter_fixtures import perm_chain, target, workspace
+
 from mlx_dspark.api import generate
 from mlx_dspark.decode import costs as cost_curves
 from mlx_dspark.decode import modes
@@ -107,8 +107,9 @@ def test_calibration_off_keeps_the_fixed_rules(cache_dir, monkeypatch):
     ws = workspace()
     tgt, tok = target(ws["target_qwen3"])
     assert cost_curves.costs_for(tgt) is None
-    res = generate(tgt, tok, None, prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6], mode="lookup", max_new_tokens=12,
-                   max_draft="auto")
+    res = generate(
+        tgt, tok, None, prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6], mode="lookup", max_new_tokens=12, max_draft="auto"
+    )
     assert "policy" not in res.stats and not cache_dir.exists()
 
 
@@ -121,8 +122,16 @@ def test_auto_draft_is_lossless_in_tokens_and_text(costs, monkeypatch):
     prompt = [int(t) for t in perm_chain(3, 6)]
     base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=40)
     for mode in ("dspark", "lookup"):
-        res = generate(tgt, tok, None, prompt_ids=prompt, mode=mode, drafter=d if mode == "dspark" else None,
-                       max_new_tokens=40, max_draft="auto")
+        res = generate(
+            tgt,
+            tok,
+            None,
+            prompt_ids=prompt,
+            mode=mode,
+            drafter=d if mode == "dspark" else None,
+            max_new_tokens=40,
+            max_draft="auto",
+        )
         assert res.tokens == base.tokens and res.text == base.text, mode
         assert res.stats.get("policy") == "cost"
 
@@ -136,8 +145,7 @@ def test_auto_mode_runs_plain_where_speculation_cannot_pay_and_says_so_once(monk
     prompt = [int(t) for t in perm_chain(5, 6)]
     base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=20)
     for _ in range(2):
-        res = generate(tgt, tok, None, prompt_ids=prompt, mode="auto", drafter=d, max_new_tokens=20,
-                       max_draft="auto")
+        res = generate(tgt, tok, None, prompt_ids=prompt, mode="auto", drafter=d, max_new_tokens=20, max_draft="auto")
         assert res.mode == "baseline" and res.tokens == base.tokens and res.text == base.text
     err = capsys.readouterr().err
     assert err.count("speculation cannot pay") == 1 and "runs plain decoding" in err

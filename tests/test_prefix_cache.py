@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import json
 import tempfile
-from pathlib import Path
 
-import numpy as np
-import pytest
+from drafter_fixtures import target, workspace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from drafter_fixtures import target, workspace
 from mlx_dspark.api import encode_prompt, generate
 from mlx_dspark.models.drafters import load_drafter
 from mlx_dspark.serve.prefix_cache import PrefixCache
@@ -29,20 +26,33 @@ def _pair():
 
 
 def _run(t, tok, d, ids, mode, n, pc=None):
-    return generate(t, tok, None, prompt_ids=ids, mode=mode, drafter=d if mode == "dspark" else None,
-                    max_new_tokens=n, prefix_cache=pc)
+    return generate(
+        t,
+        tok,
+        None,
+        prompt_ids=ids,
+        mode=mode,
+        drafter=d if mode == "dspark" else None,
+        max_new_tokens=n,
+        prefix_cache=pc,
+    )
 
 
-turn = st.tuples(st.integers(0, 2),  # which conversation
-                 st.lists(st.integers(3, 300), min_size=1, max_size=24),  # the new user tokens
-                 st.sampled_from(["baseline", "lookup", "dspark"]), st.integers(1, 12),
-                 st.booleans())  # restart the cache (a new process: RAM gone, disk kept) first
+turn = st.tuples(
+    st.integers(0, 2),  # which conversation
+    st.lists(st.integers(3, 300), min_size=1, max_size=24),  # the new user tokens
+    st.sampled_from(["baseline", "lookup", "dspark"]),
+    st.integers(1, 12),
+    st.booleans(),
+)  # restart the cache (a new process: RAM gone, disk kept) first
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
-@given(turns=st.lists(turn, min_size=3, max_size=9), slots=st.integers(1, 3), spill=st.booleans(),
-       tiny_ram=st.booleans())
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    turns=st.lists(turn, min_size=3, max_size=9), slots=st.integers(1, 3), spill=st.booleans(), tiny_ram=st.booleans()
+)
 def test_warm_equals_cold(turns, slots, spill, tiny_ram):
     t, tok, d = _pair()
     spill_dir = tempfile.mkdtemp(prefix="prefix-spill-") if spill else None
@@ -117,9 +127,11 @@ def test_stale_and_corrupt_entries_on_disk_are_ignored(tmp_path, caplog):
     other = spill / pc.key / "x.safetensors"
     import mlx.core as mx
 
-    mx.save_safetensors(str(other), {"k.0": mx.zeros((1,))}, metadata={"format": "mlx-dspark-prefix-1",
-                                                                       "model_key": "someone-else",
-                                                                       "tokens": json.dumps(a)})
+    mx.save_safetensors(
+        str(other),
+        {"k.0": mx.zeros((1,))},
+        metadata={"format": "mlx-dspark-prefix-1", "model_key": "someone-else", "tokens": json.dumps(a)},
+    )
     pc4 = PrefixCache(t, slots=1, spill_dir=str(spill))
     assert "x" not in pc4.disk and not other.exists()
 
@@ -161,8 +173,11 @@ def test_the_server_reports_reuse_in_both_dialects_and_in_metrics():
 
     def post(name, path, body):
         engine, server = servers[name]
-        req = urllib.request.Request(server.url + path, data=json.dumps({"model": engine.model_id, **body}).encode(),
-                                     headers={"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
+        req = urllib.request.Request(
+            server.url + path,
+            data=json.dumps({"model": engine.model_id, **body}).encode(),
+            headers={"Content-Type": "application/json", "anthropic-version": "2023-06-01"},
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read())
 
@@ -170,8 +185,10 @@ def test_the_server_reports_reuse_in_both_dialects_and_in_metrics():
         msgs = [{"role": "user", "content": "the fox and the weather repeat hello world " * 3}]
         first = post("warm", "/v1/chat/completions", {"messages": msgs, "max_tokens": 8})
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        follow = msgs + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                         {"role": "user", "content": "and then?"}]
+        follow = msgs + [
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "and then?"},
+        ]
         warm = post("warm", "/v1/chat/completions", {"messages": follow, "max_tokens": 8})
         cold = post("cold", "/v1/chat/completions", {"messages": follow, "max_tokens": 8})
         assert warm["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]

@@ -13,17 +13,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-import mlx_dspark as md
 from drafter_fixtures import write_deepspec, write_zlab
 from family_fixtures import text_view, write_family
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_loop import _ScriptedProposer, independent_greedy
+
+import mlx_dspark as md
 from mlx_dspark.decode import loop
-from mlx_dspark.decode.lookup import LookupProposer
 from mlx_dspark.models import hybrid, sliding
 from mlx_dspark.models.drafters import load_drafter
-from test_loop import _ScriptedProposer, independent_greedy
 
 WINDOW = 8
 _ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-rotating-"))
@@ -35,8 +34,10 @@ def gemma(seed: int = 3):
         path = write_family(_ROOT / f"gemma3-{seed}", "gemma3_text", window=WINDOW, seed=seed)
         tgt, tok = md.load_target(str(path), dtype="float32")
         view = text_view(path, _ROOT / f"gemma3-{seed}-view")
-        drafters = {"dspark": load_drafter(str(write_deepspec(_ROOT / f"g{seed}-dspark", view)), tgt, bits=16),
-                    "dflash": load_drafter(str(write_zlab(_ROOT / f"g{seed}-dflash", view)), tgt, bits=16)}
+        drafters = {
+            "dspark": load_drafter(str(write_deepspec(_ROOT / f"g{seed}-dspark", view)), tgt, bits=16),
+            "dflash": load_drafter(str(write_zlab(_ROOT / f"g{seed}-dflash", view)), tgt, bits=16),
+        }
         _LOADED[seed] = (tgt, tok, drafters)
     return _LOADED[seed]
 
@@ -122,8 +123,13 @@ def test_a_ring_rewind_that_forgets_the_overwritten_entries_is_refused(monkeypat
 
 
 @settings(max_examples=60, deadline=None)
-@given(buffer=st.integers(0, 14), offset=st.integers(0, 40), idx=st.integers(0, 14), keep=st.sampled_from([0, 0, 2]),
-       width=st.integers(2, 9))
+@given(
+    buffer=st.integers(0, 14),
+    offset=st.integers(0, 40),
+    idx=st.integers(0, 14),
+    keep=st.sampled_from([0, 0, 2]),
+    width=st.integers(2, 9),
+)
 def test_verify_layout_shows_each_query_its_plain_ring(buffer, offset, idx, keep, width):
     """For ring states mlx-lm can be in (before full, just after a wide prefill, full), each
     query of the merged layout sees exactly the entries its plain step attends over, in the same
@@ -168,10 +174,20 @@ def test_every_mode_is_lossless_past_the_window(prompt, n, max_draft, seed):
     assert base.tokens == independent_greedy(tgt, ids, n, set(md.api.stop_token_ids(tgt, tok)))
     runs = [md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=n, max_draft=max_draft)]
     for kind, d in drafters.items():
-        runs.append(md.generate(tgt, tok, None, prompt_ids=ids, mode=kind, drafter=d, max_new_tokens=n,
-                                max_draft=max_draft))
-    runs.append(md.generate(tgt, tok, None, prompt_ids=ids, proposer=_ScriptedProposer(base.tokens + [0] * 80),
-                            max_new_tokens=n, max_draft=max_draft))
+        runs.append(
+            md.generate(tgt, tok, None, prompt_ids=ids, mode=kind, drafter=d, max_new_tokens=n, max_draft=max_draft)
+        )
+    runs.append(
+        md.generate(
+            tgt,
+            tok,
+            None,
+            prompt_ids=ids,
+            proposer=_ScriptedProposer(base.tokens + [0] * 80),
+            max_new_tokens=n,
+            max_draft=max_draft,
+        )
+    )
     for r in runs:
         assert r.tokens == base.tokens
         assert r.text == base.text
@@ -189,8 +205,9 @@ def test_speculation_keeps_running_past_the_window(seed):
     base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=n)
     assert base.tokens == independent_greedy(tgt, ids, n, set(md.api.stop_token_ids(tgt, tok)))
     stops = md.api.stop_token_ids(tgt, tok)
-    scripted = loop.run(tgt, ids, _ScriptedProposer(base.tokens + [0] * 96), max_new_tokens=n, max_draft=6,
-                        stop_token_ids=stops)
+    scripted = loop.run(
+        tgt, ids, _ScriptedProposer(base.tokens + [0] * 96), max_new_tokens=n, max_draft=6, stop_token_ids=stops
+    )
     assert scripted.tokens == base.tokens
     # rounds that accepted several tokens, all past the window
     assert sum(1 for a in scripted.accept_lengths if a > 1) >= 5
@@ -231,10 +248,19 @@ def test_gemma4_past_the_window():
     n = 60
     base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=n)
     assert base.tokens == independent_greedy(tgt, ids, n, set(md.api.stop_token_ids(tgt, tok)))
-    runs = [md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=n),
-            md.generate(tgt, tok, None, prompt_ids=ids, mode="dspark", drafter=d, max_new_tokens=n),
-            md.generate(tgt, tok, None, prompt_ids=ids, proposer=_ScriptedProposer(base.tokens + [0] * 80),
-                        max_new_tokens=n, max_draft=6)]
+    runs = [
+        md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=n),
+        md.generate(tgt, tok, None, prompt_ids=ids, mode="dspark", drafter=d, max_new_tokens=n),
+        md.generate(
+            tgt,
+            tok,
+            None,
+            prompt_ids=ids,
+            proposer=_ScriptedProposer(base.tokens + [0] * 80),
+            max_new_tokens=n,
+            max_draft=6,
+        ),
+    ]
     for r in runs:
         assert r.tokens == base.tokens and r.text == base.text
         assert "speculation_off" not in r.stats

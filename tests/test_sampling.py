@@ -10,9 +10,11 @@ import subprocess
 import sys
 
 import mlx.core as mx
-import mlx_dspark as md
 import numpy as np
 import pytest
+from sampling_fixtures import VOCAB, float_cdf_accept, np_process, write_model16
+
+import mlx_dspark as md
 from mlx_dspark import kernels
 from mlx_dspark.decode import loop, sampled
 from mlx_dspark.decode.accept import GreedyAcceptor, make_acceptor
@@ -26,7 +28,6 @@ from mlx_dspark.decode.sampled import (
 )
 from mlx_dspark.decode.sampling import SamplingParams
 from mlx_dspark.errors import UserError
-from sampling_fixtures import VOCAB, float_cdf_accept, np_process, write_model16
 
 SP = SamplingParams
 
@@ -87,8 +88,9 @@ def test_process_logits_matches_the_independent_numpy_statement(sp, host):
         prompt = list(rng.integers(0, V, size=5))
         generated = list(rng.integers(0, V, size=int(rng.integers(0, 8))))
         drafts = list(rng.integers(0, V, size=n - 1))
-        got = np.array(process_logits(mx.array(logits), sp, prompt + generated, n_prompt=len(prompt),
-                                      drafts=drafts, host=host))
+        got = np.array(
+            process_logits(mx.array(logits), sp, prompt + generated, n_prompt=len(prompt), drafts=drafts, host=host)
+        )
         for i in range(n):
             want = np_process(logits[i], sp, generated + drafts[:i])
             np.testing.assert_allclose(got[i], want, atol=2e-6, err_msg=f"trial {trial} row {i}")
@@ -102,8 +104,9 @@ def test_truncation_order_is_penalties_temperature_topk_topp_minp():
     hot = process_logits(logits, SP(temperature=2.0, top_p=0.9))
     assert int((cold > 0).sum()) < int((hot > 0).sum())
     # Penalties before everything: a penalized favourite can drop out of the top-k.
-    pen = process_logits(logits, SP(temperature=1.0, top_k=2, presence_penalty=2.0, frequency_penalty=0.5), [9, 0],
-                         n_prompt=1)
+    pen = process_logits(
+        logits, SP(temperature=1.0, top_k=2, presence_penalty=2.0, frequency_penalty=0.5), [9, 0], n_prompt=1
+    )
     assert np.array(pen)[0].nonzero()[0].tolist() == [1, 2]
     # The prompt is not penalized.
     same = process_logits(logits, SP(temperature=1.0, presence_penalty=2.0), [0, 0, 0], n_prompt=3)
@@ -172,8 +175,16 @@ def random_accept_inputs(rng, B, w, V, with_q):
     p = dist((B, w))
     q = dist((B, w - 1)) if with_q else None
     src = q if with_q else p[:, : w - 1]
-    d = np.array([[rng.choice(V, p=src[b, j] / src[b, j].sum()) if rng.random() < 0.8 else rng.integers(V)
-                   for j in range(w - 1)] for b in range(B)], dtype=np.int32)
+    d = np.array(
+        [
+            [
+                rng.choice(V, p=src[b, j] / src[b, j].sum()) if rng.random() < 0.8 else rng.integers(V)
+                for j in range(w - 1)
+            ]
+            for b in range(B)
+        ],
+        dtype=np.int32,
+    )
     return p, q, d, rng.random((B, w - 1), dtype=np.float32), rng.random(B, dtype=np.float32)
 
 
@@ -196,16 +207,18 @@ def test_accept_reference_matches_the_numpy_rule_and_the_kernel(with_q):
 def test_accept_rule_edge_cases():
     p = mx.array([[[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]])
     # q puts all its mass on the draft, p agrees: always accepted; bonus from p_1.
-    acc, bonus = float_cdf_accept(p, mx.array([[[0.0, 1.0, 0.0]]]), mx.array([[1]]),
-                                           mx.array([[0.999]]), mx.array([0.9]))
+    acc, bonus = float_cdf_accept(
+        p, mx.array([[[0.0, 1.0, 0.0]]]), mx.array([[1]]), mx.array([[0.999]]), mx.array([0.9])
+    )
     assert (int(acc[0]), int(bonus[0])) == (1, 1)
     # Draft outside p's support: rejected whatever u; residual = p_0.
     acc, bonus = float_cdf_accept(p, None, mx.array([[2]]), mx.array([[0.0]]), mx.array([0.3]))
     assert (int(acc[0]), int(bonus[0])) == (0, 1)
     # Residual mass 0 (q >= p everywhere, as an unnormalized or rounded q can be): falls back to p_a.
     p2 = mx.array([[[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]])
-    acc, bonus = float_cdf_accept(p2, mx.array([[[1.0, 1.0, 0.0]]]), mx.array([[0]]),
-                                           mx.array([[0.999]]), mx.array([0.7]))
+    acc, bonus = float_cdf_accept(
+        p2, mx.array([[[1.0, 1.0, 0.0]]]), mx.array([[0]]), mx.array([[0.999]]), mx.array([0.7])
+    )
     assert int(acc[0]) == 0 and int(bonus[0]) == 1
 
 
@@ -261,8 +274,8 @@ def greedy_penalized_reference(target, prompt, n, sp):
     ids = list(prompt)
     for _ in range(n):
         logits = np.array(target.model(mx.array([ids]))[0, -1].astype(mx.float32))
-        ids.append(int(np.argmax(np_process(logits, sp, ids[len(prompt):]))))
-    return ids[len(prompt):]
+        ids.append(int(np.argmax(np_process(logits, sp, ids[len(prompt) :]))))
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("which", ["t16", "big"])
@@ -320,15 +333,55 @@ def test_same_seed_same_output_with_a_drafter_q(t16):
 
 def test_cli_sampling_flags_and_seed_reproduce_the_api(big):
     target, tok = big
-    r = subprocess.run([sys.executable, "-m", "mlx_dspark", "generate", "--model", target.source, "--prompt",
-                        "the fox", "--max-new-tokens", "10", "--json", "--mode", "lookup", "--temperature", "0.9",
-                        "--top-k", "20", "--top-p", "0.95", "--min-p", "0.01", "--presence-penalty", "0.5",
-                        "--frequency-penalty", "0.25", "--seed", "7", "--logprobs", "2"],
-                       capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_dspark",
+            "generate",
+            "--model",
+            target.source,
+            "--prompt",
+            "the fox",
+            "--max-new-tokens",
+            "10",
+            "--json",
+            "--mode",
+            "lookup",
+            "--temperature",
+            "0.9",
+            "--top-k",
+            "20",
+            "--top-p",
+            "0.95",
+            "--min-p",
+            "0.01",
+            "--presence-penalty",
+            "0.5",
+            "--frequency-penalty",
+            "0.25",
+            "--seed",
+            "7",
+            "--logprobs",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    sp = SP(temperature=0.9, top_k=20, top_p=0.95, min_p=0.01, presence_penalty=0.5, frequency_penalty=0.25,
-            seed=7, logprobs=True, top_logprobs=2)
+    sp = SP(
+        temperature=0.9,
+        top_k=20,
+        top_p=0.95,
+        min_p=0.01,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        seed=7,
+        logprobs=True,
+        top_logprobs=2,
+    )
     api = md.generate(target, tok, "the fox", mode="lookup", max_new_tokens=10, sampling=sp)
     assert out["tokens"] == api.tokens  # same seed, same output, across processes
     assert [e["token"] for e in out["logprobs"]] == out["tokens"]
@@ -349,7 +402,9 @@ def check_logprobs(res, lp, top):
         assert e["token"] == t
         assert abs(e["logprob"] - lp[i, t]) < 1e-4, (i, e["logprob"], lp[i, t])
         want = np.argsort(-lp[i], kind="stable")[:top]
-        assert [j for j, _ in e["top"]] == want.tolist() or np.allclose(sorted(x for _, x in e["top"]), sorted(lp[i, want]), atol=1e-4)
+        assert [j for j, _ in e["top"]] == want.tolist() or np.allclose(
+            sorted(x for _, x in e["top"]), sorted(lp[i, want]), atol=1e-4
+        )
         assert all(abs(x - lp[i, j]) < 1e-4 for j, x in e["top"])
 
 
@@ -382,13 +437,22 @@ def test_logprobs_at_temperature_above_zero_are_the_targets_raw_ones(t16, which)
 
 
 # ------------------------------------------------------------------------------ options
-@pytest.mark.parametrize("kw,needle", [
-    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),
-    (dict(top_k=2.5), "top_k"), (dict(min_p=1.0), "min_p"), (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(frequency_penalty=-3.0), "frequency_penalty"), (dict(seed=-1), "seed"),
-    (dict(top_logprobs=21), "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(min_p=1.0), "min_p"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3.0), "frequency_penalty"),
+        (dict(seed=-1), "seed"),
+        (dict(top_logprobs=21), "top_logprobs"),
+    ],
+)
 def test_bad_sampling_options_are_user_errors(kw, needle):
     with pytest.raises(UserError, match=needle):
         SP(**kw).validate()

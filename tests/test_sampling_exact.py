@@ -26,12 +26,6 @@ import zlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_dspark.decode import loop, sampled
-from mlx_dspark.decode.lookup import LookupProposer
-from mlx_dspark.decode.modes import drafter_proposer
-from mlx_dspark.decode.proposers import Draft, Proposer
-from mlx_dspark.decode.sampling import SamplingParams
-from mlx_dspark.models.loading import load_target
 from sampling_fixtures import (
     VOCAB,
     chi2_sf,
@@ -43,6 +37,13 @@ from sampling_fixtures import (
     processed_table,
     write_model16,
 )
+
+from mlx_dspark.decode import loop, sampled
+from mlx_dspark.decode.lookup import LookupProposer
+from mlx_dspark.decode.modes import drafter_proposer
+from mlx_dspark.decode.proposers import Draft, Proposer
+from mlx_dspark.decode.sampling import SamplingParams
+from mlx_dspark.models.loading import load_target
 
 V = VOCAB
 DEPTH = 3  # joint of the first three tokens
@@ -112,12 +113,16 @@ def drafters16(target16_dir, target16, tmp_path_factory):
     """Real DSpark (Markov + confidence heads) and DFlash (DeepSpec packaging) checkpoints with
     random weights for the vocab-16 target: drafters unlike it, loaded by the real loader."""
     from drafter_fixtures import write_deepspec
+
     from mlx_dspark.models.drafters import load_drafter
 
     root = tmp_path_factory.mktemp("v16-drafters")
     dspark = write_deepspec(root / "dspark", target16_dir, taps=[0], markov_rank=8, seed=3)
     dflash = write_deepspec(root / "dflash", target16_dir, taps=[0], markov_rank=0, confidence=False, seed=4)
-    out = {"dspark": load_drafter(str(dspark), target16, bits=16), "dflash": load_drafter(str(dflash), target16, bits=16)}
+    out = {
+        "dspark": load_drafter(str(dspark), target16, bits=16),
+        "dflash": load_drafter(str(dflash), target16, bits=16),
+    }
     assert out["dspark"].kind == "dspark" and out["dflash"].kind == "dflash"
     # The same DSpark drafter restricted to 9 of the 16 tokens (models/draft_vocab.py): q is 0
     # on the other 7, which the target still samples (through the residual).
@@ -193,9 +198,13 @@ def simulate(P: np.ndarray, proposer: SimProposer, n: int, accept, seed: int) ->
             d, q = proposer.propose(ctx, k)
             full = np.concatenate([ctx, d], axis=1)
             p = np.stack([P[index(full[:, : g + i])] for i in range(k + 1)], axis=1).astype(np.float32)
-            acc, bonus = accept(mx.array(p), None if q is None else mx.array(q), mx.array(d.astype(np.int32)),
-                                mx.array(rng.random((len(runs), k), dtype=np.float32)),
-                                mx.array(rng.random(len(runs), dtype=np.float32)))
+            acc, bonus = accept(
+                mx.array(p),
+                None if q is None else mx.array(q),
+                mx.array(d.astype(np.int32)),
+                mx.array(rng.random((len(runs), k), dtype=np.float32)),
+                mx.array(rng.random(len(runs), dtype=np.float32)),
+            )
             acc, bonus = np.array(acc), np.array(bonus)
             for r, a, b, dr in zip(runs, acc, bonus, d):
                 new = list(dr[:a]) + [b]
@@ -241,15 +250,21 @@ KINDS = ["model-q", "random-q", "one-hot"]
 @pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_speculative_sampling_is_exact(raw_tables, kind, cfg):
-    assert_fits(lambda s: batched_pvalue(raw_tables, kind, CONFIGS[cfg], seed=s),
-                zlib.crc32(f"{kind}/{cfg}".encode()) % 1000, f"{kind} {cfg}")
+    assert_fits(
+        lambda s: batched_pvalue(raw_tables, kind, CONFIGS[cfg], seed=s),
+        zlib.crc32(f"{kind}/{cfg}".encode()) % 1000,
+        f"{kind} {cfg}",
+    )
 
 
 @pytest.mark.parametrize("cfg", list(PENALTY_CONFIGS), ids=list(PENALTY_CONFIGS))
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_speculative_sampling_is_exact_with_penalties(raw_tables, kind, cfg):
-    assert_fits(lambda s: batched_pvalue(raw_tables, kind, PENALTY_CONFIGS[cfg], seed=s),
-                zlib.crc32(f"{kind}/{cfg}".encode()) % 1000, f"{kind} {cfg}")
+    assert_fits(
+        lambda s: batched_pvalue(raw_tables, kind, PENALTY_CONFIGS[cfg], seed=s),
+        zlib.crc32(f"{kind}/{cfg}".encode()) % 1000,
+        f"{kind} {cfg}",
+    )
 
 
 @pytest.mark.parametrize("mutant", [mutant_accept_p_ge_q, mutant_accept_resample_p])
@@ -331,8 +346,14 @@ def e2e_counts(target, prompt, make_proposer, cfg: dict, n: int, seed0: int = 0,
     counts = np.zeros(V**DEPTH, dtype=np.int64)
     drafted = accepted_drafts = 0
     for s in range(seed0, seed0 + n):
-        res = loop.run(target, prompt, make_proposer(s), max_new_tokens=max_new, max_draft=8,
-                       sampling=SamplingParams(seed=s, **cfg))
+        res = loop.run(
+            target,
+            prompt,
+            make_proposer(s),
+            max_new_tokens=max_new,
+            max_draft=8,
+            sampling=SamplingParams(seed=s, **cfg),
+        )
         t = res.tokens[:DEPTH]
         counts[np.ravel_multi_index(t, (V,) * DEPTH)] += 1
         drafted += sum(res.drafted)
@@ -359,8 +380,15 @@ E2E = {
 }
 E2E_RUNS = 600
 # Which sampling path each runs: numpy on the host (the CPU default) or lazy MLX (the GPU default).
-E2E_HOST = {"baseline": True, "lookup-pen": False, "known-q": True, "dspark": False, "dspark-conf-pen": True,
-            "dflash-pen": False, "dspark-draft-vocab": True}
+E2E_HOST = {
+    "baseline": True,
+    "lookup-pen": False,
+    "known-q": True,
+    "dspark": False,
+    "dspark-conf-pen": True,
+    "dflash-pen": False,
+    "dspark-draft-vocab": True,
+}
 
 
 def e2e_setup(name, target16, drafters=None):

@@ -11,14 +11,21 @@ from hypothesis import strategies as st
 from mlx_dspark.serve.chat import OutputParser, ToolCall, collect, render, starts_in_reasoning
 from mlx_dspark.serve.validate import ApiError
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+        },
+    }
+]
 
 
 def parse(text, *, tools=TOOLS, in_reasoning=False, chunks=None):
     p = OutputParser(in_reasoning=in_reasoning, tools=tools)
     events = []
-    for c in (chunks if chunks is not None else [text]):
+    for c in chunks if chunks is not None else [text]:
         events += p.feed(c)
     events += p.finish()
     return collect(events)
@@ -54,16 +61,20 @@ def test_gemma_channel_reasoning():
 
 
 def test_hermes_json_tool_calls():
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>'
+    )
     r, t, calls = parse(text)
     assert t == "Let me check."
     assert calls == [ToolCall("get_weather", {"city": "Paris"}), ToolCall("get_weather", {"city": "Oslo"})]
 
 
 def test_xml_function_tool_call_with_schema_types():
-    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
-            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
     assert parse(text)[2] == [ToolCall("get_weather", {"city": "San Francisco", "days": 3})]
     bare = "<function=get_weather><parameter=city>Rome</parameter></function>"
     assert parse(bare)[2] == [ToolCall("get_weather", {"city": "Rome"})]
@@ -93,7 +104,7 @@ def test_unterminated_tool_call_is_parsed_at_finish():
 SAMPLES = [
     "<think>a\nb</think>\n\nAnswer <b>bold</b> text.",
     'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> trailing',
-    "<think>x</think><|tool_call>call:get_weather{city:<|\"|>Oslo<|\"|>}<tool_call|>",
+    '<think>x</think><|tool_call>call:get_weather{city:<|"|>Oslo<|"|>}<tool_call|>',
     "text with < and <t and <tool but no call, and a </think> that is just text",
     "<function=get_weather><parameter=city>Rome</parameter></function>",
 ]

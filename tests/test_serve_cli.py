@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from serve_support import free_port, make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,8 +21,11 @@ KEY = "test-key-123"
 
 
 def tree(root: Path) -> dict:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in root.rglob("*")} if root.exists() else {}
+    return (
+        {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")}
+        if root.exists()
+        else {}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -34,21 +36,32 @@ def env(tmp_path_factory):
         d.mkdir()
     run.chmod(0o700)
     fake = fakebin / "claude"
-    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
-                    "record = {'argv': sys.argv[1:], 'env': dict(os.environ)}\n"
-                    "json.dump(record, open(os.environ['FAKE_CLAUDE_LOG'], 'w'))\n")
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        "record = {'argv': sys.argv[1:], 'env': dict(os.environ)}\n"
+        "json.dump(record, open(os.environ['FAKE_CLAUDE_LOG'], 'w'))\n"
+    )
     fake.chmod(0o755)
     e = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "MLX_DSPARK_", "CLAUDE_CODE_"))}
-    e.update(HOME=str(home), XDG_RUNTIME_DIR=str(run), PYTHONPATH=str(ROOT / "python"),
-             FAKE_CLAUDE_LOG=str(base / "claude.json"))
+    e.update(
+        HOME=str(home),
+        XDG_RUNTIME_DIR=str(run),
+        PYTHONPATH=str(ROOT / "python"),
+        FAKE_CLAUDE_LOG=str(base / "claude.json"),
+    )
     return {"base": base, "home": home, "run": run, "bin": fakebin, "env": e, "model": make_model(base)}
 
 
 @pytest.fixture(scope="module")
 def server(env):
     e = dict(env["env"], MLX_DSPARK_API_KEY=KEY)
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_dspark", "serve", "--model", str(env["model"]), "--port", "0",
-                             "--no-warmup"], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_dspark", "serve", "--model", str(env["model"]), "--port", "0", "--no-warmup"],
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     d = env["run"] / "mlx-dspark"
     t0 = time.monotonic()
     while not (d.exists() and list(d.glob("*.json"))):
@@ -69,8 +82,9 @@ def launcher(env, *args, extra_env=None, path_with_fake=True):
         e["PATH"] = f"{env['bin']}{os.pathsep}{e.get('PATH', '')}"
     else:
         e["PATH"] = str(Path(sys.executable).parent)  # python, but no claude
-    return subprocess.run([sys.executable, "-m", "mlx_dspark", "claude", *args], env=e, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", "claude", *args], env=e, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_discovery_file_is_private(server, env):
@@ -126,8 +140,9 @@ def test_server_answers_and_exits_cleanly(server, env):
 
     port = server["info"]["port"]
     c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=30)
-    r = c.chat.completions.create(model=server["info"]["model"], messages=[{"role": "user", "content": "hi"}],
-                                  max_tokens=4)
+    r = c.chat.completions.create(
+        model=server["info"]["model"], messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
     assert r.usage.completion_tokens >= 1
     server["proc"].send_signal(signal.SIGTERM)
     assert server["proc"].wait(timeout=20) == 0

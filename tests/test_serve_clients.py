@@ -14,21 +14,26 @@ import time
 import anthropic
 import openai
 import pytest
-
 from serve_support import LiveServer, make_model, module_timer
 
-_timer = module_timer('real-client suite')
+_timer = module_timer("real-client suite")
 
 # SmolLM2's own template (the demo model): every role is a ChatML turn, no tools, no thinking.
 SMOL_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
     "{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-WEATHER_A = {"name": "get_weather", "description": "Weather for a city",
-             "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                             "parameters": WEATHER_A["input_schema"]}}
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+WEATHER_A = {
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Weather for a city", "parameters": WEATHER_A["input_schema"]},
+}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 KEY = "sekrit-key"
 
@@ -69,24 +74,41 @@ def oai(srv, key="unused"):
 
 # ----------------------------------------------------------------------------- system entries
 CLAUDE_CODE_MESSAGES = [  # the shape Claude Code 2.1.197 sends in its default mode
-    {"role": "user", "content": [{"type": "text", "text": "<system-reminder>context</system-reminder>"},
-                                 {"type": "text", "text": "Say hello"}]},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "<system-reminder>context</system-reminder>"},
+            {"type": "text", "text": "Say hello"},
+        ],
+    },
     {"role": "system", "content": "MID-SYSTEM: the environment is Linux."},
 ]
 
 
 def test_mid_conversation_system_is_kept_where_the_template_drops_it(qwen):
     qwen.script.say("Hello!")
-    r = ant(qwen).messages.create(model=qwen.model, max_tokens=20, system="TOP-SYSTEM", messages=CLAUDE_CODE_MESSAGES,
-                                  extra_headers={"anthropic-beta": "mid-conversation-system-2026-04-07"})
+    r = ant(qwen).messages.create(
+        model=qwen.model,
+        max_tokens=20,
+        system="TOP-SYSTEM",
+        messages=CLAUDE_CODE_MESSAGES,
+        extra_headers={"anthropic-beta": "mid-conversation-system-2026-04-07"},
+    )
     assert r.content[0].text == "Hello!" and r.stop_reason == "end_turn"
     p = prompt_of(qwen)
     # the template renders only messages[0] as system: the later entry joins a user turn
     assert p.index("TOP-SYSTEM") < p.index("Say hello") < p.index("MID-SYSTEM: the environment is Linux.")
     assert p.count("<|im_start|>system") == 1 and p.rstrip().endswith("<|im_start|>assistant")
     # leading system entries in messages merge with `system`
-    ant(qwen).messages.create(model=qwen.model, max_tokens=5, system="A-SYS", messages=[
-        {"role": "system", "content": [{"type": "text", "text": "B-SYS"}]}, {"role": "user", "content": "hi"}])
+    ant(qwen).messages.create(
+        model=qwen.model,
+        max_tokens=5,
+        system="A-SYS",
+        messages=[
+            {"role": "system", "content": [{"type": "text", "text": "B-SYS"}]},
+            {"role": "user", "content": "hi"},
+        ],
+    )
     p = prompt_of(qwen)
     assert p.count("<|im_start|>system") == 1 and p.index("A-SYS") < p.index("B-SYS") < p.index("hi")
 
@@ -97,8 +119,11 @@ def test_mid_conversation_system_is_a_system_turn_where_the_template_has_one(smo
         if client is not None:
             client.messages.create(model=smol.model, max_tokens=5, messages=CLAUDE_CODE_MESSAGES)
         else:
-            oai(smol, KEY).chat.completions.create(model=smol.model, max_tokens=5, messages=[
-                {"role": "user", "content": "Say hello"}, {"role": "system", "content": "MID-SYSTEM: x"}])
+            oai(smol, KEY).chat.completions.create(
+                model=smol.model,
+                max_tokens=5,
+                messages=[{"role": "user", "content": "Say hello"}, {"role": "system", "content": "MID-SYSTEM: x"}],
+            )
         p = prompt_of(smol)
         assert re.search(r"<\|im_start\|>user\n.*Say hello<\|im_end\|>\n<\|im_start\|>system\nMID-SYSTEM", p, re.S), p
 
@@ -118,20 +143,41 @@ def test_tools_are_never_dropped_on_a_template_without_tools(smol):
     assert r.content[1].name == "get_weather" and r.content[1].input == {"city": "Paris"}
     # the call and its result, sent back, are rendered as text the model can read
     smol.script.say("It is sunny.")
-    r2 = c.messages.create(model=smol.model, max_tokens=30, tools=[WEATHER_A], messages=msgs + [
-        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
-                                          {"type": "tool_use", "id": r.content[1].id, "name": "get_weather",
-                                           "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": r.content[1].id,
-                                      "content": "SUNNY-22C"}]}])
+    r2 = c.messages.create(
+        model=smol.model,
+        max_tokens=30,
+        tools=[WEATHER_A],
+        messages=msgs
+        + [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Let me look."},
+                    {"type": "tool_use", "id": r.content[1].id, "name": "get_weather", "input": {"city": "Paris"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": r.content[1].id, "content": "SUNNY-22C"}],
+            },
+        ],
+    )
     assert r2.content[0].text == "It is sunny."
     p = prompt_of(smol)
     assert p.index('{"name": "get_weather", "arguments": {"city": "Paris"}}') < p.index(
-        "<tool_response>\nSUNNY-22C\n</tool_response>")
+        "<tool_response>\nSUNNY-22C\n</tool_response>"
+    )
     # the OpenAI dialect, streaming
     smol.script.say(CALL)
-    chunks = list(oai(smol, KEY).chat.completions.create(model=smol.model, messages=[
-        {"role": "user", "content": "Weather?"}], tools=[WEATHER], max_tokens=60, stream=True))
+    chunks = list(
+        oai(smol, KEY).chat.completions.create(
+            model=smol.model,
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[WEATHER],
+            max_tokens=60,
+            stream=True,
+        )
+    )
     calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and json.loads(calls[0].function.arguments) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
@@ -140,25 +186,34 @@ def test_tools_are_never_dropped_on_a_template_without_tools(smol):
 # ----------------------------------------------------------------------------- parameters and small things
 def test_anthropic_seed_and_min_p_are_not_reported_ignored(qwen):
     qwen.script.say("ok")
-    r = ant(qwen).messages.create(model=qwen.model, max_tokens=5, messages=[{"role": "user", "content": "hi"}],
-                                  extra_body={"seed": 3, "min_p": 0.1, "frobnicate": 1})
+    r = ant(qwen).messages.create(
+        model=qwen.model,
+        max_tokens=5,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"seed": 3, "min_p": 0.1, "frobnicate": 1},
+    )
     assert r.model_extra["x_mlx_dspark"]["ignored_params"] == ["frobnicate"]
 
 
 def test_openai_chat_overflow_wording(qwen):
     qwen.script.say("ok")
     with pytest.raises(openai.BadRequestError) as e:
-        oai(qwen).chat.completions.create(model=qwen.model, max_tokens=5000, messages=[
-            {"role": "user", "content": "hi"}])
+        oai(qwen).chat.completions.create(
+            model=qwen.model, max_tokens=5000, messages=[{"role": "user", "content": "hi"}]
+        )
     err = e.value.body
     assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
-    assert re.fullmatch(r"This model's maximum context length is 4096 tokens\. However, you requested (\d+) tokens "
-                        r"\((\d+) in the messages, 5000 in the completion\)\. Please reduce the length of the "
-                        r"messages or completion\.", err["message"]), err
+    assert re.fullmatch(
+        r"This model's maximum context length is 4096 tokens\. However, you requested (\d+) tokens "
+        r"\((\d+) in the messages, 5000 in the completion\)\. Please reduce the length of the "
+        r"messages or completion\.",
+        err["message"],
+    ), err
     with pytest.raises(anthropic.BadRequestError) as e:
         ant(qwen).messages.create(model=qwen.model, max_tokens=32000, messages=[{"role": "user", "content": "hi"}])
-    assert re.match(r"input length and `max_tokens` exceed context limit: \d+ \+ 32000 > 4096",
-                    e.value.body["error"]["message"])
+    assert re.match(
+        r"input length and `max_tokens` exceed context limit: \d+ \+ 32000 > 4096", e.value.body["error"]["message"]
+    )
 
 
 # ----------------------------------------------------------------------------- HTTP hygiene
@@ -180,16 +235,22 @@ def raw(port, data: bytes) -> bytes:
 def test_ambiguous_framing_is_refused(qwen):
     body = json.dumps({"model": qwen.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     n = len(body)
-    two = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-           f"Content-Length: {n}\r\nContent-Length: {n + 5}\r\n\r\n{body}").encode()
+    two = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {n}\r\nContent-Length: {n + 5}\r\n\r\n{body}"
+    ).encode()
     out = raw(qwen.port, two)
     assert out.startswith(b"HTTP/1.1 400") and b"Content-Length" in out and out.count(b"HTTP/1.1") == 1
-    both = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {n}\r\nTransfer-Encoding: chunked\r\n\r\n{n:x}\r\n{body}\r\n0\r\n\r\n").encode()
+    both = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {n}\r\nTransfer-Encoding: chunked\r\n\r\n{n:x}\r\n{body}\r\n0\r\n\r\n"
+    ).encode()
     out = raw(qwen.port, both)
     assert out.startswith(b"HTTP/1.1 400") and b"chunked" in out and out.count(b"HTTP/1.1") == 1
-    same = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {n}\r\nContent-Length: {n}\r\nConnection: close\r\n\r\n{body}").encode()
+    same = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {n}\r\nContent-Length: {n}\r\nConnection: close\r\n\r\n{body}"
+    ).encode()
     assert raw(qwen.port, same).startswith(b"HTTP/1.1 200")  # repeated but equal: unambiguous
 
 
@@ -202,10 +263,19 @@ def test_api_key_guards_every_route_but_head_root(smol):
         return r.status, r.read()
 
     assert req("HEAD", "/")[0] == 200
-    for method, path in [("GET", "/"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models"),
-                         ("POST", "/v1/messages"), ("GET", "/no/such/route"), ("POST", "/v2/chat"),
-                         ("PUT", "/v1/chat/completions"), ("DELETE", "/v1/models"), ("OPTIONS", "/v1/messages"),
-                         ("HEAD", "/health")]:
+    for method, path in [
+        ("GET", "/"),
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/messages"),
+        ("GET", "/no/such/route"),
+        ("POST", "/v2/chat"),
+        ("PUT", "/v1/chat/completions"),
+        ("DELETE", "/v1/models"),
+        ("OPTIONS", "/v1/messages"),
+        ("HEAD", "/health"),
+    ]:
         status, data = req(method, path)
         assert status == 401, (method, path, status, data)
         assert req(method, path, "wrong")[0] == 401
@@ -238,8 +308,12 @@ def test_huge_over_context_body_is_refused_fast_and_does_not_starve_others(qwen)
 
     def big():
         cc = http.client.HTTPConnection("127.0.0.1", qwen.port, timeout=300)
-        cc.request("POST", "/v1/messages/count_tokens", headers={"Content-Type": "application/json"},
-                   body=json.dumps({"model": qwen.model, "messages": [{"role": "user", "content": huge[:4_000_000]}]}))
+        cc.request(
+            "POST",
+            "/v1/messages/count_tokens",
+            headers={"Content-Type": "application/json"},
+            body=json.dumps({"model": qwen.model, "messages": [{"role": "user", "content": huge[:4_000_000]}]}),
+        )
         done["big"] = (json.loads(cc.getresponse().read()), time.perf_counter())
 
     t = threading.Thread(target=big)
@@ -262,6 +336,9 @@ def test_max_tokens_cutting_a_character_leaves_no_replacement_char(qwen):
     qwen.script.say(text)
     r = ant(qwen).messages.create(model=qwen.model, max_tokens=n, messages=[{"role": "user", "content": "u"}])
     assert r.stop_reason == "max_tokens" and r.content[0].text == want
-    chunks = list(oai(qwen).chat.completions.create(model=qwen.model, max_tokens=n, stream=True, messages=[
-        {"role": "user", "content": "u"}]))
+    chunks = list(
+        oai(qwen).chat.completions.create(
+            model=qwen.model, max_tokens=n, stream=True, messages=[{"role": "user", "content": "u"}]
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want

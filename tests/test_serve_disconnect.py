@@ -8,7 +8,6 @@ import time
 
 import openai
 import pytest
-
 from serve_support import LiveServer, make_model
 
 ROUND_DELAY = 0.02  # every forward takes at least this long, so rounds are measurable
@@ -24,8 +23,10 @@ def srv(tmp_path_factory):
 def send(port: int, path: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-              % (path.encode(), len(data), data))
+    s.sendall(
+        b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (path.encode(), len(data), data)
+    )
     return s
 
 
@@ -50,10 +51,13 @@ def assert_served_next(srv):
     assert r.choices[0].message.content == "next one"
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}], "stream": True}),
-    ("/v1/messages", {"messages": [{"role": "user", "content": "go"}], "stream": True}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}], "stream": True}),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "go"}], "stream": True}),
+    ],
+)
 def test_dropped_stream_stops_within_a_round(srv, path, body):
     srv.script.say("tick tock ", eos=False, delay=ROUND_DELAY)
     s = send(srv.port, path, {**body, "model": srv.model, "max_tokens": 3000})
@@ -75,8 +79,11 @@ def test_dropped_stream_stops_within_a_round(srv, path, body):
 
 def test_dropped_non_streaming_request_is_cancelled_while_waiting(srv):
     srv.script.say("tick tock ", eos=False, delay=ROUND_DELAY)
-    s = send(srv.port, "/v1/chat/completions", {"model": srv.model, "max_tokens": 3000,
-                                                "messages": [{"role": "user", "content": "go"}]})
+    s = send(
+        srv.port,
+        "/v1/chat/completions",
+        {"model": srv.model, "max_tokens": 3000, "messages": [{"role": "user", "content": "go"}]},
+    )
     job = running_job(srv)
     assert wait_for(lambda: job.commits >= 5)
     s.close()
@@ -88,8 +95,11 @@ def test_dropped_non_streaming_request_is_cancelled_while_waiting(srv):
 
 def test_queued_request_whose_client_left_never_runs(srv):
     srv.script.say("tick tock ", eos=False, delay=ROUND_DELAY)
-    a = send(srv.port, "/v1/chat/completions", {"model": srv.model, "max_tokens": 3000, "stream": True,
-                                               "messages": [{"role": "user", "content": "first"}]})
+    a = send(
+        srv.port,
+        "/v1/chat/completions",
+        {"model": srv.model, "max_tokens": 3000, "stream": True, "messages": [{"role": "user", "content": "first"}]},
+    )
     job_a = running_job(srv)
     b = send(srv.port, "/v1/completions", {"model": srv.model, "max_tokens": 50, "prompt": "second"})
     assert wait_for(lambda: srv.engine.queue_depth == 1)
@@ -105,14 +115,23 @@ def test_queued_request_whose_client_left_never_runs(srv):
 
 def test_full_queue_answers_429_and_recovers(srv):
     srv.script.say("tick tock ", eos=False, delay=ROUND_DELAY)
-    a = send(srv.port, "/v1/chat/completions", {"model": srv.model, "max_tokens": 3000, "stream": True,
-                                               "messages": [{"role": "user", "content": "first"}]})
+    a = send(
+        srv.port,
+        "/v1/chat/completions",
+        {"model": srv.model, "max_tokens": 3000, "stream": True, "messages": [{"role": "user", "content": "first"}]},
+    )
     running_job(srv)
-    b = send(srv.port, "/v1/chat/completions", {"model": srv.model, "max_tokens": 5,
-                                               "messages": [{"role": "user", "content": "queued"}]})
+    b = send(
+        srv.port,
+        "/v1/chat/completions",
+        {"model": srv.model, "max_tokens": 5, "messages": [{"role": "user", "content": "queued"}]},
+    )
     assert wait_for(lambda: srv.engine.queue_depth == 1)
-    c = send(srv.port, "/v1/messages", {"model": srv.model, "max_tokens": 5,
-                                        "messages": [{"role": "user", "content": "one too many"}]})
+    c = send(
+        srv.port,
+        "/v1/messages",
+        {"model": srv.model, "max_tokens": 5, "messages": [{"role": "user", "content": "one too many"}]},
+    )
     head = b""
     while b'"error"' not in head or not head.endswith(b"}}"):
         chunk = c.recv(65536)
@@ -131,8 +150,11 @@ def test_stream_keepalive_pings_while_waiting(tmp_path_factory):
     s = LiveServer(make_model(tmp_path_factory.mktemp("p")), keepalive_s=0.1)
     try:
         s.script.say("slow", eos=True, delay=0.15)
-        sock = send(s.port, "/v1/messages", {"model": s.model, "max_tokens": 20, "stream": True,
-                                             "messages": [{"role": "user", "content": "x"}]})
+        sock = send(
+            s.port,
+            "/v1/messages",
+            {"model": s.model, "max_tokens": 20, "stream": True, "messages": [{"role": "user", "content": "x"}]},
+        )
         data = b""
         while b"message_stop" not in data:
             chunk = sock.recv(65536)

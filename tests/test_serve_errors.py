@@ -12,15 +12,22 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from serve_support import LiveServer, make_model, module_timer
 
-_timer = module_timer('errors + fuzz suite')
+_timer = module_timer("errors + fuzz suite")
 
 OA_ROUTES = ["/v1/chat/completions", "/v1/completions"]
 AN_ROUTES = ["/v1/messages", "/v1/messages/count_tokens"]
-ANTHROPIC_TYPES = {"invalid_request_error", "authentication_error", "permission_error", "not_found_error",
-                   "request_too_large", "rate_limit_error", "api_error", "overloaded_error"}
+ANTHROPIC_TYPES = {
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+    "api_error",
+    "overloaded_error",
+}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +73,11 @@ def check_envelope(path, status, data):
 
 
 def good_chat(srv, c: Client):
-    status, data, _ = c.request("POST", "/v1/chat/completions", {
-        "model": srv.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+    status, data, _ = c.request(
+        "POST",
+        "/v1/chat/completions",
+        {"model": srv.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+    )
     assert status == 200, data
     assert json.loads(data)["choices"][0]["message"]["content"] == "ok"
 
@@ -108,8 +118,12 @@ BAD = [
     ("/v1/chat/completions", lambda s: chat(s, presence_penalty=3), 400, "presence_penalty"),
     ("/v1/chat/completions", lambda s: chat(s, n=2), 400, "n"),
     ("/v1/chat/completions", lambda s: chat(s, response_format={"type": "json_object"}), 400, "response_format"),
-    ("/v1/chat/completions", lambda s: chat(s, messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "text-only"),
+    (
+        "/v1/chat/completions",
+        lambda s: chat(s, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        400,
+        "text-only",
+    ),
     ("/v1/chat/completions", lambda s: chat(s, model="gpt-4o"), 404, "gpt-4o"),
     ("/v1/chat/completions", lambda s: {"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
     ("/v1/completions", lambda s: {"model": s.model, "prompt": ["a", "b"]}, 400, "prompt"),
@@ -119,15 +133,27 @@ BAD = [
     ("/v1/messages", lambda s: msg(s, temperature=1.5), 400, "temperature"),
     ("/v1/messages", lambda s: msg(s, messages=[{"role": "system", "content": "x"}]), 400, "user or assistant"),
     ("/v1/messages", lambda s: msg(s, messages=[{"role": "user", "content": []}]), 400, "non-empty content"),
-    ("/v1/messages/count_tokens", lambda s: {"model": s.model, "messages": [{"role": "user", "content": []}]}, 400,
-     "non-empty content"),
+    (
+        "/v1/messages/count_tokens",
+        lambda s: {"model": s.model, "messages": [{"role": "user", "content": []}]},
+        400,
+        "non-empty content",
+    ),
     ("/v1/messages", lambda s: msg(s, messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
     ("/v1/messages", lambda s: msg(s, max_tokens=1 << 32), 400, "[1, 2147483648], got 4294967296"),
     ("/v1/chat/completions", lambda s: chat(s, top_p=0), 400, "(0, 1], got 0"),
-    ("/v1/messages", lambda s: msg(s, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
-     400, "text-only"),
-    ("/v1/messages", lambda s: msg(s, tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400,
-     "server tool"),
+    (
+        "/v1/messages",
+        lambda s: msg(s, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+        400,
+        "text-only",
+    ),
+    (
+        "/v1/messages",
+        lambda s: msg(s, tools=[{"type": "web_search_20250305", "name": "web_search"}]),
+        400,
+        "server tool",
+    ),
     ("/v1/messages", lambda s: msg(s, thinking={"type": "enabled", "budget_tokens": 10}), 400, "budget_tokens"),
     ("/v1/messages", lambda s: msg(s, tool_choice="auto"), 400, "tool_choice"),
     ("/v1/messages", lambda s: msg(s, model="claude-sonnet-4-5"), 404, "claude-sonnet-4-5"),
@@ -178,8 +204,11 @@ def test_unexpected_bodies_do_not_desync_keep_alive(srv):
 
 def test_routes_answer_without_v1_and_with_query_strings(srv):
     c = Client(srv.port)
-    status, data, _ = c.request("POST", "/messages?beta=true", {"model": srv.model, "max_tokens": 3,
-                                                                "messages": [{"role": "user", "content": "x"}]})
+    status, data, _ = c.request(
+        "POST",
+        "/messages?beta=true",
+        {"model": srv.model, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]},
+    )
     assert status == 200 and json.loads(data)["type"] == "message"
     status, data, _ = c.request("GET", "/models/")
     assert status == 200 and json.loads(data)["object"] == "list"
@@ -199,8 +228,10 @@ def test_too_large_body_gets_413_not_a_reset(srv):
 
 def test_too_large_with_expect_100_continue(srv):
     s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 99999999\r\nExpect: 100-continue\r\n\r\n")
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 99999999\r\nExpect: 100-continue\r\n\r\n"
+    )
     head = b""
     while True:  # the server closes after answering
         chunk = s.recv(65536)
@@ -232,22 +263,26 @@ def test_framing_errors(srv):
 
     assert raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n").startswith("HTTP/1.1 403")  # Host check
     assert raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").startswith("HTTP/1.1 411")
-    assert raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -4\r\n\r\n"
-               ).startswith("HTTP/1.1 400")
+    assert raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: -4\r\n\r\n").startswith(
+        "HTTP/1.1 400"
+    )
     assert raw(b"BREW /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").startswith("HTTP/1.1 405")
     assert raw(b"GARBAGE\r\n\r\n").startswith("HTTP/1.1 400")
     assert raw(b"GET / HTTP/2.0\r\n\r\n").startswith("HTTP/1.1 400")  # never a 5xx for a client's error
     body = json.dumps(chat(srv)).encode()
     chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
-    ok = raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-             b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunked)
+    ok = raw(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunked
+    )
     assert ok.startswith("HTTP/1.1 200") and '"content":"ok"' in ok
 
 
 def test_browser_simple_content_types_are_refused(srv):
     c = Client(srv.port)
-    status, data, _ = c.request("POST", "/v1/chat/completions", json.dumps(chat(srv)),
-                                headers={"Content-Type": "text/plain"})
+    status, data, _ = c.request(
+        "POST", "/v1/chat/completions", json.dumps(chat(srv)), headers={"Content-Type": "text/plain"}
+    )
     assert status == 415 and "application/json" in check_envelope("/v1/chat", status, data)["error"]["message"]
     good_chat(srv, c)
 
@@ -257,8 +292,9 @@ def test_context_too_long_is_refused_before_prefill(srv):
     long_text = "hello world " * 3000  # more tokens than the fixture's 4096 window
     before = srv.script.forwards
     t0 = time.perf_counter()
-    status, data, _ = c.request("POST", "/v1/chat/completions",
-                                chat(srv, messages=[{"role": "user", "content": long_text}]))
+    status, data, _ = c.request(
+        "POST", "/v1/chat/completions", chat(srv, messages=[{"role": "user", "content": long_text}])
+    )
     assert status == 400
     err = check_envelope("/v1/chat/completions", status, data)["error"]
     assert err["code"] == "context_length_exceeded" and "4096" in err["message"]
@@ -271,15 +307,21 @@ def test_context_too_long_is_refused_before_prefill(srv):
     assert err["type"] == "invalid_request_error"
     assert re.fullmatch(r"prompt is too long: (\d+) tokens > 4096 maximum", err["message"]), err
     status, data, _ = c.request("POST", "/v1/messages", msg(srv, max_tokens=32000))
-    m = re.match(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+), decrease input "
-                 r"length or `max_tokens` and try again$", json.loads(data)["error"]["message"])
+    m = re.match(
+        r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+), decrease input "
+        r"length or `max_tokens` and try again$",
+        json.loads(data)["error"]["message"],
+    )
     assert status == 400 and m and int(m[2]) == 32000 and int(m[3]) == 4096 and 0 < int(m[1]) < 100, data
     status, data, _ = c.request("POST", "/v1/completions", {"model": srv.model, "prompt": "hi", "max_tokens": 5000})
     err = json.loads(data)["error"]
     assert status == 400 and err["param"] == "prompt" and err["code"] == "context_length_exceeded"
-    assert re.fullmatch(r"This model's maximum context length is 4096 tokens, however you requested (\d+) tokens "
-                        r"\((\d+) in your prompt; 5000 for the completion\)\. Please reduce your prompt; or "
-                        r"completion length\.", err["message"]), err
+    assert re.fullmatch(
+        r"This model's maximum context length is 4096 tokens, however you requested (\d+) tokens "
+        r"\((\d+) in your prompt; 5000 for the completion\)\. Please reduce your prompt; or "
+        r"completion length\.",
+        err["message"],
+    ), err
     assert srv.script.forwards == before  # nothing was prefilled
     assert time.perf_counter() - t0 < 10
     good_chat(srv, c)
@@ -288,14 +330,44 @@ def test_context_too_long_is_refused_before_prefill(srv):
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.floats() | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=16)
-KEYS = st.sampled_from(["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-                        "stream", "tools", "tool_choice", "system", "prompt", "stop", "stop_sequences", "thinking",
-                        "logprobs", "top_logprobs", "n", "seed", "stream_options", "chat_template_kwargs",
-                        "enable_thinking", "content", "role", "input", "instructions", "max_output_tokens",
-                        "previous_response_id", "min_p"])
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", 3]),
-                                 "content": JSON | st.text(max_size=20)})
+    max_leaves=16,
+)
+KEYS = st.sampled_from(
+    [
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stream",
+        "tools",
+        "tool_choice",
+        "system",
+        "prompt",
+        "stop",
+        "stop_sequences",
+        "thinking",
+        "logprobs",
+        "top_logprobs",
+        "n",
+        "seed",
+        "stream_options",
+        "chat_template_kwargs",
+        "enable_thinking",
+        "content",
+        "role",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "previous_response_id",
+        "min_p",
+    ]
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system", "tool", 3]), "content": JSON | st.text(max_size=20)}
+)
 
 
 BASES = {
@@ -318,8 +390,9 @@ def requests(draw, model):
     if kind == "json":
         return path, json.dumps(draw(JSON), allow_nan=True).encode()
     body = {"model": model, **BASES[path]}
-    value = (JSON | st.just(model) | st.lists(MESSAGE, max_size=3) | st.integers(0, 5000) | st.booleans()
-             | st.floats(-3, 3))
+    value = (
+        JSON | st.just(model) | st.lists(MESSAGE, max_size=3) | st.integers(0, 5000) | st.booleans() | st.floats(-3, 3)
+    )
     body.update(draw(st.dictionaries(KEYS, value, max_size=3)))
     for key in draw(st.sets(st.sampled_from(sorted(body)), max_size=2)):
         body.pop(key, None)
@@ -336,8 +409,13 @@ def test_random_junk_bodies(srv):
     seen = {}
     t0 = time.perf_counter()
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
-              derandomize=True, database=None)
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
+        database=None,
+    )
     @given(requests(srv.model))
     def one(req):
         path, body = req

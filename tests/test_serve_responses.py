@@ -7,13 +7,16 @@ import json
 
 import openai
 import pytest
-
 from serve_support import LiveServer, make_model, module_timer
 
-_timer = module_timer('Responses API SDK suite')
+_timer = module_timer("Responses API SDK suite")
 
-TOOL = {"type": "function", "name": "get_weather", "description": "Weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -36,13 +39,15 @@ def prompt_text(srv) -> str:
 
 def test_create_text(client, srv):
     srv.script.say("Paris is the capital.")
-    r = client.responses.create(model=srv.model, instructions="Be brief.", input="Capital of France?",
-                                max_output_tokens=40)
+    r = client.responses.create(
+        model=srv.model, instructions="Be brief.", input="Capital of France?", max_output_tokens=40
+    )
     assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_")
     assert r.output_text == "Paris is the capital."
     assert [o.type for o in r.output] == ["message"] and r.output[0].content[0].type == "output_text"
     assert r.usage.input_tokens == len(srv.script.last_prompt) and r.usage.output_tokens == len(
-        srv.tokenizer.encode("Paris is the capital.", add_special_tokens=False))
+        srv.tokenizer.encode("Paris is the capital.", add_special_tokens=False)
+    )
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     p = prompt_text(srv)
     assert p.index("Be brief.") < p.index("Capital of France?")
@@ -58,9 +63,13 @@ def test_incomplete_at_max_output_tokens(client, srv):
 
 def test_items_input_and_previous_response_id(client, srv):
     srv.script.say("First answer.")
-    r1 = client.responses.create(model=srv.model, input=[
-        {"role": "developer", "content": "SYS-RULE"},
-        {"role": "user", "content": [{"type": "input_text", "text": "QUESTION-ONE"}]}])
+    r1 = client.responses.create(
+        model=srv.model,
+        input=[
+            {"role": "developer", "content": "SYS-RULE"},
+            {"role": "user", "content": [{"type": "input_text", "text": "QUESTION-ONE"}]},
+        ],
+    )
     srv.script.say("Second answer.")
     r2 = client.responses.create(model=srv.model, previous_response_id=r1.id, input="QUESTION-TWO")
     assert r2.output_text == "Second answer." and r2.previous_response_id == r1.id
@@ -82,24 +91,32 @@ def test_tools_round_trip(client, srv):
     assert call.call_id.startswith("call_") and call.status == "completed"
     assert '"name": "get_weather"' in prompt_text(srv)  # the template rendered the tool
     srv.script.say("Sunny.")
-    r2 = client.responses.create(model=srv.model, previous_response_id=r.id, tools=[TOOL], input=[
-        {"type": "function_call_output", "call_id": call.call_id, "output": "SUNNY-22C"}])
+    r2 = client.responses.create(
+        model=srv.model,
+        previous_response_id=r.id,
+        tools=[TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "SUNNY-22C"}],
+    )
     assert r2.output_text == "Sunny."
     p = prompt_text(srv)
     assert p.index('"city": "Paris"') < p.index("SUNNY-22C")
     # the same conversation sent in full, without previous_response_id
     srv.script.say("Sunny.")
-    r3 = client.responses.create(model=srv.model, tools=[TOOL], input=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-        {"type": "function_call_output", "call_id": "call_1", "output": "SUNNY-22C"}])
+    r3 = client.responses.create(
+        model=srv.model,
+        tools=[TOOL],
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "SUNNY-22C"},
+        ],
+    )
     assert r3.output_text == "Sunny." and "SUNNY-22C" in prompt_text(srv)
 
 
 def test_stream_events(client, srv):
     srv.script.say("<think>hmm</think>Streaming works." + CALL)
-    events = list(client.responses.create(model=srv.model, input="hi", tools=[TOOL], stream=True,
-                                          max_output_tokens=80))
+    events = list(client.responses.create(model=srv.model, input="hi", tools=[TOOL], stream=True, max_output_tokens=80))
     types = [e.type for e in events]
     assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))

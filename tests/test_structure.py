@@ -24,16 +24,24 @@ def _imports(name: str, path: Path, mods: dict) -> set[str]:
     (imports under `if TYPE_CHECKING:` do not run, so they do not count)."""
     pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     tree = ast.parse(path.read_text())
-    typing_only = {id(n) for top in ast.walk(tree) if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test)
-                   for b in top.body for n in ast.walk(b)}  # annotations only: never imported at run time
+    typing_only = {
+        id(n)
+        for top in ast.walk(tree)
+        if isinstance(top, ast.If) and "TYPE_CHECKING" in ast.unparse(top.test)
+        for b in top.body
+        for n in ast.walk(b)
+    }  # annotations only: never imported at run time
     found = set()
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
         targets = []
         if isinstance(node, ast.ImportFrom):
-            base = ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else [])) \
-                if node.level else (node.module or "")
+            base = (
+                ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level
+                else (node.module or "")
+            )
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
         elif isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -86,9 +94,13 @@ def test_no_import_circles():
 
 
 def test_models_and_kernels_never_import_decode_or_serve():
-    up = [(m, t) for m, ts in _graph().items() for t in ts
-          if m.startswith(("mlx_dspark.models", "mlx_dspark.kernels"))
-          and t.startswith(("mlx_dspark.decode", "mlx_dspark.serve"))]
+    up = [
+        (m, t)
+        for m, ts in _graph().items()
+        for t in ts
+        if m.startswith(("mlx_dspark.models", "mlx_dspark.kernels"))
+        and t.startswith(("mlx_dspark.decode", "mlx_dspark.serve"))
+    ]
     assert up == []
 
 
@@ -100,8 +112,13 @@ def test_other_packages_are_patched_only_in_compat():
         if name == "mlx_dspark.compat":
             continue
         tree = ast.parse(path.read_text())
-        imported = {a.asname or a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-                    for a in n.names if not (isinstance(n, ast.ImportFrom) and n.level)}
+        imported = {
+            a.asname or a.name.split(".")[0]
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            for a in n.names
+            if not (isinstance(n, ast.ImportFrom) and n.level)
+        }
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Assign, ast.AugAssign)):
                 continue
@@ -111,8 +128,12 @@ def test_other_packages_are_patched_only_in_compat():
                 root = t
                 while isinstance(root, ast.Attribute):
                     root = root.value
-                if isinstance(t, ast.Attribute) and isinstance(root, ast.Name) and root.id in imported \
-                        and root.id not in ("self", "cls"):
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(root, ast.Name)
+                    and root.id in imported
+                    and root.id not in ("self", "cls")
+                ):
                     found.append(f"{name}:{node.lineno} assigns {ast.unparse(t)}")
     assert found == []
 
@@ -124,7 +145,10 @@ def test_no_large_files_but_the_one_shipped_drafter():
 
     root = PKG.parents[1]
     files = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout.split(b"\0")
-    big = sorted(f.decode() for f in files if f and (root / f.decode()).is_file()
-                 and (root / f.decode()).stat().st_size > 1 << 20)
+    big = sorted(
+        f.decode()
+        for f in files
+        if f and (root / f.decode()).is_file() and (root / f.decode()).stat().st_size > 1 << 20
+    )
     assert big == ["python/mlx_dspark/assets/dspark-smollm2-135m-instruct/model.safetensors"]
     assert (root / big[0]).stat().st_size < 30 << 20

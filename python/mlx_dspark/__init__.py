@@ -10,5 +10,17 @@ from .errors import UserError  # noqa: E402
 from .models.loading import load_target  # noqa: E402
 from .pairs import dflash_generate, load_dflash_pair, load_pair, speculative_generate  # noqa: E402
 
-__all__ = ["GenerationResult", "SamplingParams", "UserError", "dflash_generate", "encode_prompt", "generate",
-           "load_dflash_pair", "load_pair", "load_target", "speculative_generate", "stream_generate", "__version__"]
+__all__ = [
+    "GenerationResult",
+    "SamplingParams",
+    "UserError",
+    "dflash_generate",
+    "encode_prompt",
+    "generate",
+    "load_dflash_pair",
+    "load_pair",
+    "load_target",
+    "speculative_generate",
+    "stream_generate",
+    "__version__",
+]

@@ -55,17 +55,31 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         return {
-            "text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-            "accept_lengths": self.accept_lengths, "mean_accept_len": round(self.mean_accept_len, 4),
-            "rounds": self.rounds, "finish_reason": self.finish_reason, "mode": self.mode, "model": self.model,
-            "timings": {"prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
-                        "decode_tps": round(self.decode_tps, 3), "e2e_tps": round(self.e2e_tps, 3)},
-            "stats": self.stats, "stop_string": self.stop_string, "cached_tokens": self.cached_tokens, **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
+            "text": self.text,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "accept_lengths": self.accept_lengths,
+            "mean_accept_len": round(self.mean_accept_len, 4),
+            "rounds": self.rounds,
+            "finish_reason": self.finish_reason,
+            "mode": self.mode,
+            "model": self.model,
+            "timings": {
+                "prefill_s": round(self.prefill_s, 6),
+                "decode_s": round(self.decode_s, 6),
+                "decode_tps": round(self.decode_tps, 3),
+                "e2e_tps": round(self.e2e_tps, 3),
+            },
+            "stats": self.stats,
+            "stop_string": self.stop_string,
+            "cached_tokens": self.cached_tokens,
+            **({"logprobs": self.logprobs} if self.logprobs is not None else {}),
         }
 
 
-def encode_prompt(tokenizer, prompt, *, chat_template: bool = True, enable_thinking: bool | None = None,
-                  system: str | None = None) -> list[int]:
+def encode_prompt(
+    tokenizer, prompt, *, chat_template: bool = True, enable_thinking: bool | None = None, system: str | None = None
+) -> list[int]:
     """Token ids of `prompt` (a string or a list of chat messages), through the chat template
     when the tokenizer has one and `chat_template` is on."""
     if isinstance(prompt, str) and not prompt:
@@ -101,8 +115,7 @@ def stop_token_ids(target: Target, tokenizer) -> list[int]:
 _registered: "weakref.WeakKeyDictionary[Target, dict]" = weakref.WeakKeyDictionary()
 
 
-def drafter_for(target: Target, mode: str = "auto", drafter=None, *, bits: int | None = None,
-                draft_vocab="auto"):
+def drafter_for(target: Target, mode: str = "auto", drafter=None, *, bits: int | None = None, draft_vocab="auto"):
     """The drafter that `mode` runs with on `target`, resolved as the CLI resolves it.
 
     `drafter`: a loaded drafter (returned as is), a repo id or folder (loaded), or None: the
@@ -113,8 +126,9 @@ def drafter_for(target: Target, mode: str = "auto", drafter=None, *, bits: int |
     from .models.drafters import resolve_drafter
 
     if drafter is not None or mode not in ("auto", "dspark", "dflash"):
-        return resolve_drafter(target, mode=mode, drafter=str(drafter) if drafter is not None else None,
-                               bits=bits, draft_vocab=draft_vocab)
+        return resolve_drafter(
+            target, mode=mode, drafter=str(drafter) if drafter is not None else None, bits=bits, draft_vocab=draft_vocab
+        )
     known = _registered.setdefault(target, {})
     key = (mode, bits, str(draft_vocab))
     if key not in known:
@@ -122,8 +136,7 @@ def drafter_for(target: Target, mode: str = "auto", drafter=None, *, bits: int |
         earlier = [d for (m, _, _), d in known.items() if m == mode] if defaults else []
         # Default settings take the drafter already resolved for this mode (the CLI resolved it
         # with its flags); anything else loads it as asked.
-        known[key] = earlier[0] if earlier else resolve_drafter(target, mode=mode, bits=bits,
-                                                                 draft_vocab=draft_vocab)
+        known[key] = earlier[0] if earlier else resolve_drafter(target, mode=mode, bits=bits, draft_vocab=draft_vocab)
     return known[key]
 
 
@@ -159,8 +172,16 @@ class TextGeneration:
     """A Generation with its text stream and the mode that runs it: what generate(),
     stream_generate() and the server step. Iterating steps it; `result()` reads the outcome."""
 
-    def __init__(self, generation: loop.Generation, stream: TextStream, target: Target, mode: str,
-                 cancel: Callable[[], bool] | None = None, prefix_cache=None, cached_tokens: int = 0):
+    def __init__(
+        self,
+        generation: loop.Generation,
+        stream: TextStream,
+        target: Target,
+        mode: str,
+        cancel: Callable[[], bool] | None = None,
+        prefix_cache=None,
+        cached_tokens: int = 0,
+    ):
         self.generation, self.stream, self.target, self.mode = generation, stream, target, mode
         self.cancel_check = cancel
         self.prefix_cache, self.cached_tokens = prefix_cache, cached_tokens
@@ -189,14 +210,31 @@ class TextGeneration:
         return out
 
 
-def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None, proposer=None,
-          max_new_tokens: int = 256, max_draft: int | None = None, sampling: SamplingParams | None = None,
-          stop: Sequence[str] = (), chat_template: bool = True, enable_thinking: bool | None = None,
-          on_text: Callable[[str], None] | None = None, cancel: Callable[[], bool] | None = None,
-          lookup_long_draft: int = 32, prompt_ids: Sequence[int] | None = None,
-          keep_leading_space: bool = False, drafter_bits: int | None = None, draft_vocab="auto",
-          prefix_cache=None, on_prefill: Callable[[int, int], None] | None = None,
-          **drafter_options) -> TextGeneration:
+def start(
+    target: Target,
+    tokenizer,
+    prompt,
+    *,
+    mode: str = "auto",
+    drafter=None,
+    proposer=None,
+    max_new_tokens: int = 256,
+    max_draft: int | None = None,
+    sampling: SamplingParams | None = None,
+    stop: Sequence[str] = (),
+    chat_template: bool = True,
+    enable_thinking: bool | None = None,
+    on_text: Callable[[str], None] | None = None,
+    cancel: Callable[[], bool] | None = None,
+    lookup_long_draft: int = 32,
+    prompt_ids: Sequence[int] | None = None,
+    keep_leading_space: bool = False,
+    drafter_bits: int | None = None,
+    draft_vocab="auto",
+    prefix_cache=None,
+    on_prefill: Callable[[int, int], None] | None = None,
+    **drafter_options,
+) -> TextGeneration:
     """A TextGeneration, not stepped yet. `on_text` receives text as it is committed; `cancel()`
     is asked between steps (and between prefill chunks). `prefix_cache` (serve/prefix_cache.py)
     supplies the longest cached prefix of the prompt and keeps this generation's cache after.
@@ -205,8 +243,11 @@ def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None
         raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     sampling = sampling or SamplingParams()
     sampling.validate()
-    ids = list(prompt_ids) if prompt_ids is not None else encode_prompt(
-        tokenizer, prompt, chat_template=chat_template, enable_thinking=enable_thinking)
+    ids = (
+        list(prompt_ids)
+        if prompt_ids is not None
+        else encode_prompt(tokenizer, prompt, chat_template=chat_template, enable_thinking=enable_thinking)
+    )
     if not ids:
         raise UserError("the prompt encodes to no tokens")
     if proposer is None:
@@ -229,11 +270,21 @@ def start(target: Target, tokenizer, prompt, *, mode: str = "auto", drafter=None
         raise UserError(f"{option('max-draft')} must be >= 0, got {max_draft}")
     stream = TextStream(tokenizer, stop, on_text, keep_leading_space=keep_leading_space)
     hit = prefix_cache.lookup(ids, tuple(proposer.taps)) if prefix_cache is not None else None
-    g = loop.Generation(target, ids, proposer, max_new_tokens=int(max_new_tokens), max_draft=int(max_draft),
-                        sampling=sampling, stop_token_ids=stop_token_ids(target, tokenizer),
-                        should_cancel=cancel, text=stream, cache=hit.cache if hit else None,
-                        reuse=(hit.reused, hit.hidden) if hit else None, keep_state=prefix_cache is not None,
-                        on_prefill=on_prefill)
+    g = loop.Generation(
+        target,
+        ids,
+        proposer,
+        max_new_tokens=int(max_new_tokens),
+        max_draft=int(max_draft),
+        sampling=sampling,
+        stop_token_ids=stop_token_ids(target, tokenizer),
+        should_cancel=cancel,
+        text=stream,
+        cache=hit.cache if hit else None,
+        reuse=(hit.reused, hit.hidden) if hit else None,
+        keep_state=prefix_cache is not None,
+        on_prefill=on_prefill,
+    )
     return TextGeneration(g, stream, target, resolved_mode, cancel, prefix_cache, hit.reused if hit else 0)
 
 
@@ -251,11 +302,20 @@ def _result(g: loop.Generation, target: Target, stream: TextStream, mode: str) -
         tokens = tokens[: stream.stop_token_index + 1]
         logprobs = logprobs[: len(tokens)] if logprobs is not None else None
         accept_lengths = _rounds_within(accept_lengths, len(tokens))
-    return GenerationResult(text=text, tokens=tokens, prompt_tokens=res.prompt_tokens,
-                            accept_lengths=accept_lengths, finish_reason=res.finish_reason,
-                            prefill_s=res.prefill_s, decode_s=res.decode_s, mode=mode,
-                            model=target.name, logprobs=logprobs, stats=stats,
-                            stop_string=stream.stop_string)
+    return GenerationResult(
+        text=text,
+        tokens=tokens,
+        prompt_tokens=res.prompt_tokens,
+        accept_lengths=accept_lengths,
+        finish_reason=res.finish_reason,
+        prefill_s=res.prefill_s,
+        decode_s=res.decode_s,
+        mode=mode,
+        model=target.name,
+        logprobs=logprobs,
+        stats=stats,
+        stop_string=stream.stop_string,
+    )
 
 
 def _rounds_within(accept_lengths: list[int], n_tokens: int) -> list[int]:
@@ -270,4 +330,15 @@ def _rounds_within(accept_lengths: list[int], n_tokens: int) -> list[int]:
     return out
 
 
-__all__ = ["GenerationResult", "TextGeneration", "TextStream", "drafter_for", "generate", "start", "stream_generate", "load_target", "encode_prompt", "SamplingParams"]
+__all__ = [
+    "GenerationResult",
+    "TextGeneration",
+    "TextStream",
+    "drafter_for",
+    "generate",
+    "start",
+    "stream_generate",
+    "load_target",
+    "encode_prompt",
+    "SamplingParams",
+]

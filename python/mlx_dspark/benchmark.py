@@ -32,21 +32,27 @@ COPY_PROMPT = (
     "    if count == 0:\n"
     "        return None\n"
     "    mean = total / count\n"
-    "    return {\"total\": total, \"count\": count, \"mean\": mean}\n"
+    '    return {"total": total, "count": count, "mean": mean}\n'
     "```\n"
 )
 CHAT_PROMPT = "Explain in a few sentences why the sky is blue."
 CODE_PROMPT = "Write a Python function that checks whether a string is a palindrome, with a short docstring."
-MATH_PROMPT = ("A train leaves at 9:40 and arrives at 13:10, covering 245 km. What was its average speed "
-               "in km/h? Show each step.")
+MATH_PROMPT = (
+    "A train leaves at 9:40 and arrives at 13:10, covering 245 km. What was its average speed in km/h? Show each step."
+)
 # `mlx-dspark benchmark` prompt sets: a few short prompts per content class
 PROMPT_SETS = {
-    "chat": [CHAT_PROMPT, "Give me three tips for sleeping better, one sentence each.",
-             "What is the difference between a virus and a bacterium?"],
-    "code": [CODE_PROMPT, "Write a Python function that returns the n-th Fibonacci number iteratively.",
-             "Write a JavaScript function that removes duplicate values from an array."],
-    "math": [MATH_PROMPT, "Solve for x: 3x + 7 = 25. Explain each step.",
-             "What is 15% of 240? Show your working."],
+    "chat": [
+        CHAT_PROMPT,
+        "Give me three tips for sleeping better, one sentence each.",
+        "What is the difference between a virus and a bacterium?",
+    ],
+    "code": [
+        CODE_PROMPT,
+        "Write a Python function that returns the n-th Fibonacci number iteratively.",
+        "Write a JavaScript function that removes duplicate values from an array.",
+    ],
+    "math": [MATH_PROMPT, "Solve for x: 3x + 7 = 25. Explain each step.", "What is 15% of 240? Show your working."],
     "copy": [COPY_PROMPT],
 }
 
@@ -72,9 +78,8 @@ def emit(text: str, out: str | None) -> None:
 
 def load_bench_target(model: str | None, dtype: str | None = None):
     """(model path or id, target, tokenizer): `model`, or the demo model (SmolLM2-135M-Instruct GGUF)."""
-    from .models.loading import load_target
-
     from .models.demo import model_or_demo
+    from .models.loading import load_target
 
     model = model_or_demo(model)
     target, tok = load_target(model, dtype=dtype)
@@ -116,14 +121,26 @@ def ours(target, tokenizer, ids: list[int], n: int, mode: str, drafter=None, **k
     return Measure(r.mode, r.tokens, r.decode_tps, r.mean_accept_len, r.prefill_s, dict(r.stats))
 
 
-def compare(target, tokenizer, prompt: str, n: int, sides: list[str], drafter=None, repeats: int = 1,
-            chat_template: bool = True, **kw) -> dict[str, Measure]:
+def compare(
+    target,
+    tokenizer,
+    prompt: str,
+    n: int,
+    sides: list[str],
+    drafter=None,
+    repeats: int = 1,
+    chat_template: bool = True,
+    **kw,
+) -> dict[str, Measure]:
     """Run each side on the same prompt (warm-up first); the best of `repeats` decode tok/s."""
     ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     out: dict[str, Measure] = {}
     for side in sides:
-        run = (lambda: mlx_lm_decode(target, ids, n)) if side == "mlx_lm" else (
-            lambda: ours(target, tokenizer, ids, n, side, drafter=drafter, **kw))
+        run = (
+            (lambda: mlx_lm_decode(target, ids, n))
+            if side == "mlx_lm"
+            else (lambda: ours(target, tokenizer, ids, n, side, drafter=drafter, **kw))
+        )
         if side == "mlx_lm":
             mlx_lm_decode(target, ids, min(n, 8))
         else:
@@ -141,9 +158,15 @@ def report(results: dict[str, Measure], base: str) -> list[str]:
     ref = results[base]
     for side, m in results.items():
         ratio = m.decode_tps / ref.decode_tps if ref.decode_tps else float("nan")
-        same = "same tokens" if m.tokens == ref.tokens else f"DIFFERENT tokens (first at {_first_diff(m.tokens, ref.tokens)})"
-        lines.append(f"{side:>9}: {m.decode_tps:8.2f} tok/s  x{ratio:5.3f} vs {base}  accept {m.mean_accept:5.2f}  "
-                     f"{len(m.tokens)} tokens, {same}")
+        same = (
+            "same tokens"
+            if m.tokens == ref.tokens
+            else f"DIFFERENT tokens (first at {_first_diff(m.tokens, ref.tokens)})"
+        )
+        lines.append(
+            f"{side:>9}: {m.decode_tps:8.2f} tok/s  x{ratio:5.3f} vs {base}  accept {m.mean_accept:5.2f}  "
+            f"{len(m.tokens)} tokens, {same}"
+        )
     return lines
 
 
@@ -176,11 +199,19 @@ def stamp(target, drafter=None) -> dict:
             chip = mx.device_info().get("device_name", chip)
         except Exception:
             pass
-    return {"device": "cpu" if cpu else "gpu", "chip": chip, "cores": __import__("os").cpu_count(),
-            "machine": platform.machine(), "system": platform.system(), "mlx": mx.__version__,
-            "mlx_dspark": __version__, "blas": active_blas()["name"] if cpu else None,
-            "precision": precision(target), "model": str(target.source or target.name),
-            "drafter": getattr(drafter, "source", None) if drafter is not None else None}
+    return {
+        "device": "cpu" if cpu else "gpu",
+        "chip": chip,
+        "cores": __import__("os").cpu_count(),
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "mlx": mx.__version__,
+        "mlx_dspark": __version__,
+        "blas": active_blas()["name"] if cpu else None,
+        "precision": precision(target),
+        "model": str(target.source or target.name),
+        "drafter": getattr(drafter, "source", None) if drafter is not None else None,
+    }
 
 
 def _geomean(xs: list[float]) -> float:
@@ -190,8 +221,19 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
 
 
-def run_sets(target, tokenizer, sets: dict[str, list[str]], n: int, *, mode: str, trials: int = 3,
-             drafter=None, versus_mlx_lm: bool = False, progress=None, **kw) -> dict:
+def run_sets(
+    target,
+    tokenizer,
+    sets: dict[str, list[str]],
+    n: int,
+    *,
+    mode: str,
+    trials: int = 3,
+    drafter=None,
+    versus_mlx_lm: bool = False,
+    progress=None,
+    **kw,
+) -> dict:
     """Each prompt of each class: a warm-up run per side, then `trials` rounds in which the sides
     alternate; per prompt the median decode tok/s of each side, per class the geometric mean over
     its prompts, and the ratios (mode / baseline, and / mlx-lm)."""
@@ -210,8 +252,15 @@ def run_sets(target, tokenizer, sets: dict[str, list[str]], n: int, *, mode: str
                     if side == "mlx_lm":
                         m = mlx_lm_decode(target, ids, n)
                     else:
-                        m = ours(target, tokenizer, ids, n, "baseline" if side == "baseline" else mode,
-                                 drafter=drafter, **({} if side == "baseline" else kw))
+                        m = ours(
+                            target,
+                            tokenizer,
+                            ids,
+                            n,
+                            "baseline" if side == "baseline" else mode,
+                            drafter=drafter,
+                            **({} if side == "baseline" else kw),
+                        )
                         if side == "mode":
                             resolved = m.label
                     if t:  # t == 0 is the warm-up
@@ -220,14 +269,21 @@ def run_sets(target, tokenizer, sets: dict[str, list[str]], n: int, *, mode: str
                     if progress:
                         progress(done, total, f"{cls} {side if side != 'mode' else resolved}")
             med = {s: statistics.median(m.decode_tps for m in runs[s]) for s in sides}
-            rows.append({"prompt": prompt[:80], "tps": {("mode" if s == "mode" else s): round(v, 3) for s, v in med.items()},
-                         "mean_accept": round(statistics.median(m.mean_accept for m in runs["mode"]), 3),
-                         "same_tokens": all(m.tokens == runs["baseline"][0].tokens for m in runs["mode"])})
-        c = {"prompts": rows,
-             "baseline_tps": round(_geomean([r["tps"]["baseline"] for r in rows]), 3),
-             "mode_tps": round(_geomean([r["tps"]["mode"] for r in rows]), 3),
-             "mean_accept": round(statistics.mean(r["mean_accept"] for r in rows), 3),
-             "same_tokens": all(r["same_tokens"] for r in rows)}
+            rows.append(
+                {
+                    "prompt": prompt[:80],
+                    "tps": {("mode" if s == "mode" else s): round(v, 3) for s, v in med.items()},
+                    "mean_accept": round(statistics.median(m.mean_accept for m in runs["mode"]), 3),
+                    "same_tokens": all(m.tokens == runs["baseline"][0].tokens for m in runs["mode"]),
+                }
+            )
+        c = {
+            "prompts": rows,
+            "baseline_tps": round(_geomean([r["tps"]["baseline"] for r in rows]), 3),
+            "mode_tps": round(_geomean([r["tps"]["mode"] for r in rows]), 3),
+            "mean_accept": round(statistics.mean(r["mean_accept"] for r in rows), 3),
+            "same_tokens": all(r["same_tokens"] for r in rows),
+        }
         c["ratio"] = round(_geomean([r["tps"]["mode"] / r["tps"]["baseline"] for r in rows]), 3)
         if versus_mlx_lm:
             c["mlx_lm_tps"] = round(_geomean([r["tps"]["mlx_lm"] for r in rows]), 3)
@@ -238,13 +294,18 @@ def run_sets(target, tokenizer, sets: dict[str, list[str]], n: int, *, mode: str
 
 def table(result: dict) -> str:
     vs = any("mlx_lm_tps" in c for c in result["classes"].values())
-    head = ["class", "baseline tok/s", f"{result['mode']} tok/s", "x baseline"] + (
-        ["mlx-lm tok/s", "x mlx-lm"] if vs else []) + ["accept", "same tokens"]
+    head = (
+        ["class", "baseline tok/s", f"{result['mode']} tok/s", "x baseline"]
+        + (["mlx-lm tok/s", "x mlx-lm"] if vs else [])
+        + ["accept", "same tokens"]
+    )
     lines = ["  ".join(f"{h:>14}" for h in head)]
     for cls, c in result["classes"].items():
-        cells = [cls, f"{c['baseline_tps']:.2f}", f"{c['mode_tps']:.2f}", f"{c['ratio']:.3f}x"] + (
-            [f"{c['mlx_lm_tps']:.2f}", f"{c['ratio_vs_mlx_lm']:.3f}x"] if vs else []) + [
-            f"{c['mean_accept']:.2f}", "yes" if c["same_tokens"] else "NO"]
+        cells = (
+            [cls, f"{c['baseline_tps']:.2f}", f"{c['mode_tps']:.2f}", f"{c['ratio']:.3f}x"]
+            + ([f"{c['mlx_lm_tps']:.2f}", f"{c['ratio_vs_mlx_lm']:.3f}x"] if vs else [])
+            + [f"{c['mean_accept']:.2f}", "yes" if c["same_tokens"] else "NO"]
+        )
         lines.append("  ".join(f"{x:>14}" for x in cells))
     return "\n".join(lines)
 
@@ -265,11 +326,19 @@ def chart(result: dict, stamp_: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(classes), 3.6))
     xs = range(len(classes))
     width = 0.38 if vs else 0.6
-    ax.bar([x - (width / 2 if vs else 0) for x in xs], [result["classes"][c]["ratio"] for c in classes], width,
-           label=f"{result['mode']} / baseline")
+    ax.bar(
+        [x - (width / 2 if vs else 0) for x in xs],
+        [result["classes"][c]["ratio"] for c in classes],
+        width,
+        label=f"{result['mode']} / baseline",
+    )
     if vs:
-        ax.bar([x + width / 2 for x in xs], [result["classes"][c]["ratio_vs_mlx_lm"] for c in classes], width,
-               label=f"{result['mode']} / mlx-lm")
+        ax.bar(
+            [x + width / 2 for x in xs],
+            [result["classes"][c]["ratio_vs_mlx_lm"] for c in classes],
+            width,
+            label=f"{result['mode']} / mlx-lm",
+        )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(list(xs), classes)
     ax.set_ylabel("decode speed-up (x)")

@@ -81,9 +81,15 @@ def route_causal_attention_to_invariant_op() -> None:
     original = mx.fast.scaled_dot_product_attention
 
     def scaled_dot_product_attention(q, k, v, *args, scale=None, mask=None, sinks=None, **kwargs):
-        if (invariant.is_active() and not args and not kwargs and sinks is None and scale is not None
-                and (mask == "causal" if isinstance(mask, str) else mask is None and q.shape[2] == 1)
-                and invariant.supported(q, k, v)):
+        if (
+            invariant.is_active()
+            and not args
+            and not kwargs
+            and sinks is None
+            and scale is not None
+            and (mask == "causal" if isinstance(mask, str) else mask is None and q.shape[2] == 1)
+            and invariant.supported(q, k, v)
+        ):
             return invariant.invariant_attention(q, k, v, float(scale))
         return original(q, k, v, *args, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
@@ -114,8 +120,8 @@ def compile_before_threads(tokenizer) -> None:
             pass
     if getattr(tokenizer, "chat_template", None) is not None:
         try:
-            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                          add_generation_prompt=True)
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+            )
         except Exception:  # a template that needs more than this; requests will say why
             pass
-

@@ -21,9 +21,18 @@ from .errors import UserError
 from .models.loading import load_target
 
 
-def load_pair(model: str, drafter: str | None = None, *, mode: str = "auto", bits: int | None = None,
-              dtype: str | None = None, quantize: int | None = None, kv_bits: int | None = None,
-              probe: bool = True, draft_vocab="auto"):
+def load_pair(
+    model: str,
+    drafter: str | None = None,
+    *,
+    mode: str = "auto",
+    bits: int | None = None,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    kv_bits: int | None = None,
+    probe: bool = True,
+    draft_vocab="auto",
+):
     """(target, tokenizer, drafter, config) for `model`. The drafter comes from `drafter`
     (repo id or folder) or the registry; it is None only for mode auto without a registered
     drafter (generation then falls back to lookup). `bits`: 4 / 8 / 16, or None = 4 on a GPU and
@@ -47,37 +56,75 @@ def load_dflash_pair(model: str, drafter: str | None = None, **kwargs):
 
 
 def _sampling(temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, seed, logprobs):
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), min_p=float(min_p),
-                          presence_penalty=float(presence_penalty), frequency_penalty=float(frequency_penalty),
-                          seed=seed, logprobs=bool(logprobs), top_logprobs=int(logprobs) if logprobs else 0)
+    return SamplingParams(
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        min_p=float(min_p),
+        presence_penalty=float(presence_penalty),
+        frequency_penalty=float(frequency_penalty),
+        seed=seed,
+        logprobs=bool(logprobs),
+        top_logprobs=int(logprobs) if logprobs else 0,
+    )
 
 
-def speculative_generate(target, tokenizer, drafter, prompt="", *, prompt_ids: Sequence[int] | None = None,
-                         max_new_tokens: int = 256, max_draft_tokens: int | None = None,
-                         confidence_threshold: float = 0.0, lookup_drafts: bool = True,
-                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                         presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
-                         logprobs: int = 0, stop: Sequence[str] = (), apply_chat_template: bool = True,
-                         enable_thinking: bool | None = None, on_text=None) -> GenerationResult:
+def speculative_generate(
+    target,
+    tokenizer,
+    drafter,
+    prompt="",
+    *,
+    prompt_ids: Sequence[int] | None = None,
+    max_new_tokens: int = 256,
+    max_draft_tokens: int | None = None,
+    confidence_threshold: float = 0.0,
+    lookup_drafts: bool = True,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    seed: int | None = None,
+    logprobs: int = 0,
+    stop: Sequence[str] = (),
+    apply_chat_template: bool = True,
+    enable_thinking: bool | None = None,
+    on_text=None,
+) -> GenerationResult:
     """Generate with `drafter` (DSpark or DFlash; None = lookup). `max_draft_tokens` None or 0
     drafts the full block each round."""
     mode = drafter.kind if drafter is not None else "auto"
-    return generate(target, tokenizer, prompt if prompt_ids is None else None, prompt_ids=prompt_ids, mode=mode,
-                    drafter=drafter, max_new_tokens=max_new_tokens, max_draft=max_draft_tokens,
-                    sampling=_sampling(temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
-                                       seed, logprobs),
-                    stop=stop, chat_template=apply_chat_template, enable_thinking=enable_thinking, on_text=on_text,
-                    confidence_threshold=confidence_threshold, lookup_drafts=lookup_drafts)
+    return generate(
+        target,
+        tokenizer,
+        prompt if prompt_ids is None else None,
+        prompt_ids=prompt_ids,
+        mode=mode,
+        drafter=drafter,
+        max_new_tokens=max_new_tokens,
+        max_draft=max_draft_tokens,
+        sampling=_sampling(temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, seed, logprobs),
+        stop=stop,
+        chat_template=apply_chat_template,
+        enable_thinking=enable_thinking,
+        on_text=on_text,
+        confidence_threshold=confidence_threshold,
+        lookup_drafts=lookup_drafts,
+    )
 
 
-def dflash_generate(target, tokenizer, drafter, prompt="", *, max_draft_tokens: int | None = None,
-                    lookup_drafts: bool = False, **kwargs) -> GenerationResult:
+def dflash_generate(
+    target, tokenizer, drafter, prompt="", *, max_draft_tokens: int | None = None, lookup_drafts: bool = False, **kwargs
+) -> GenerationResult:
     """speculative_generate for a DFlash drafter; `max_draft_tokens=None` = the full block.
     Hybrid lookup drafts are off by default here, as in upstream's dflash_generate."""
     if drafter is not None and drafter.kind != "dflash":
         raise UserError(f"dflash_generate needs a DFlash drafter; {drafter.source} is a {drafter.kind} drafter")
-    return speculative_generate(target, tokenizer, drafter, prompt, max_draft_tokens=max_draft_tokens,
-                                lookup_drafts=lookup_drafts, **kwargs)
+    return speculative_generate(
+        target, tokenizer, drafter, prompt, max_draft_tokens=max_draft_tokens, lookup_drafts=lookup_drafts, **kwargs
+    )
 
 
 __all__ = ["load_pair", "load_dflash_pair", "speculative_generate", "dflash_generate"]

@@ -21,8 +21,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("benchmark", help="measure a mode against baseline (and mlx-lm) on this machine")
     add_model_args(p)
     add_decode_args(p)
-    p.add_argument("--prompts", default="chat,code,math", metavar="CLASSES",
-                   help=f"prompt sets to run, comma-separated, from {', '.join(CLASSES)} (default: chat,code,math)")
+    p.add_argument(
+        "--prompts",
+        default="chat,code,math",
+        metavar="CLASSES",
+        help=f"prompt sets to run, comma-separated, from {', '.join(CLASSES)} (default: chat,code,math)",
+    )
     p.add_argument("--prompt", action="append", help="your own prompt(s) instead of the sets (class 'custom')")
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--trials", type=positive_int, default=3, help="timed runs per side and prompt; medians (default 3)")
@@ -55,9 +59,20 @@ def run(args) -> int:
         sets = {c: bm.PROMPT_SETS[c] for c in names}
     target, tokenizer, drafter = load_from_args(args)
     progress = None if args.no_progress or not sys.stderr.isatty() else _bar
-    result = bm.run_sets(target, tokenizer, sets, args.max_new_tokens, mode=args.mode, trials=args.trials,
-                         drafter=drafter, versus_mlx_lm=args.versus_mlx_lm, progress=progress,
-                         max_draft=args.max_draft, lookup_long_draft=args.lookup_long_draft, **drafter_options(args))
+    result = bm.run_sets(
+        target,
+        tokenizer,
+        sets,
+        args.max_new_tokens,
+        mode=args.mode,
+        trials=args.trials,
+        drafter=drafter,
+        versus_mlx_lm=args.versus_mlx_lm,
+        progress=progress,
+        max_draft=args.max_draft,
+        lookup_long_draft=args.lookup_long_draft,
+        **drafter_options(args),
+    )
     result["max_draft"] = args.max_draft
     stamp = bm.stamp(target, drafter)
     if args.chart:
@@ -65,9 +80,12 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({**stamp, **result}, indent=1))
         return 0
-    print(f"# {stamp['model']} ({stamp['precision']}) on {stamp['chip']}, {stamp['device']}"
-          + (f", BLAS {stamp['blas']}" if stamp["blas"] else "") + f", mlx {stamp['mlx']}; mode {result['mode']}, "
-          f"--max-draft {args.max_draft}, {args.max_new_tokens} new tokens, median of {args.trials}")
+    print(
+        f"# {stamp['model']} ({stamp['precision']}) on {stamp['chip']}, {stamp['device']}"
+        + (f", BLAS {stamp['blas']}" if stamp["blas"] else "")
+        + f", mlx {stamp['mlx']}; mode {result['mode']}, "
+        f"--max-draft {args.max_draft}, {args.max_new_tokens} new tokens, median of {args.trials}"
+    )
     print(bm.table(result))
     if args.chart:
         print(f"chart: {args.chart}")

@@ -23,18 +23,25 @@ DROP = ("ANTHROPIC_API_KEY", "CLAUDE_CODE_USE_BEDROCK", "CLAUDE_CODE_USE_VERTEX"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("claude", help="run Claude Code on the local server",
-                       description="Find the running `mlx-dspark serve`, point Claude Code at it (for the launched "
-                                   "process only) and hand over the terminal. Arguments after -- go to claude.")
+    p = sub.add_parser(
+        "claude",
+        help="run Claude Code on the local server",
+        description="Find the running `mlx-dspark serve`, point Claude Code at it (for the launched "
+        "process only) and hand over the terminal. Arguments after -- go to claude.",
+    )
     p.add_argument("--url", help="the server (default: the running one found, else http://127.0.0.1:8080)")
     p.add_argument("--port", type=int, help="use the running server on this port")
-    p.add_argument("--api-key", help="the server's key (default: from the server's discovery file or "
-                                     "MLX_DSPARK_API_KEY)")
+    p.add_argument(
+        "--api-key", help="the server's key (default: from the server's discovery file or MLX_DSPARK_API_KEY)"
+    )
     p.add_argument("--model", help="the model name Claude Code sends (default: the server's)")
     p.add_argument("--claude", default="claude", help="the Claude Code executable (default: claude on PATH)")
     p.add_argument("--print-env", action="store_true", help="print shell exports instead of launching")
-    p.add_argument("--print-settings", action="store_true",
-                   help="print a project .claude/settings.local.json block instead of launching")
+    p.add_argument(
+        "--print-settings",
+        action="store_true",
+        help="print a project .claude/settings.local.json block instead of launching",
+    )
     p.add_argument("claude_args", nargs=argparse.REMAINDER, help="-- then arguments for claude")
 
 
@@ -91,23 +98,33 @@ def locate(args) -> tuple[str, str | None, dict]:
     if live:
         if len(live) > 1:
             ports = ", ".join(u.rsplit(":", 1)[-1] for u, _, _ in live)
-            print(f"mlx-dspark claude: several servers are running (ports {ports}); using {live[0][0]} "
-                  "(the newest): pass --port to choose", file=sys.stderr)
+            print(
+                f"mlx-dspark claude: several servers are running (ports {ports}); using {live[0][0]} "
+                "(the newest): pass --port to choose",
+                file=sys.stderr,
+            )
         return live[0]
     if refused:
         raise UserError(f"the server at {refused[0]} needs an API key: pass --api-key KEY or set MLX_DSPARK_API_KEY")
     tried = ", ".join(u for u, _ in candidates)
     where = "" if args.url else f" (looked in {discovery.discovery_dir()} and at {tried})"
-    raise UserError(f"no running mlx-dspark server found{where}: start one with "
-                    "`mlx-dspark serve --model MODEL`, or pass --url")
+    raise UserError(
+        f"no running mlx-dspark server found{where}: start one with `mlx-dspark serve --model MODEL`, or pass --url"
+    )
 
 
 def claude_env(url: str, key: str | None, model: str, window: int | None) -> dict[str, str]:
     """The variables Claude Code reads, for the child process only."""
-    env = {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_AUTH_TOKEN": key or "mlx-dspark", "ANTHROPIC_MODEL": model,
-           "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
-           "ANTHROPIC_DEFAULT_SONNET_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
-           "CLAUDE_CODE_SUBAGENT_MODEL": model}
+    env = {
+        "ANTHROPIC_BASE_URL": url,
+        "ANTHROPIC_AUTH_TOKEN": key or "mlx-dspark",
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "CLAUDE_CODE_SUBAGENT_MODEL": model,
+    }
     if window:
         # Claude Code asks for 32k output tokens by default, which alone overflows small windows.
         env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(min(32000, max(1024, int(window) // 4)))
@@ -118,9 +135,14 @@ def claude_env(url: str, key: str | None, model: str, window: int | None) -> dic
 # stream after 5 minutes without an event (pings do not count) and then resends the whole request:
 # a CPU prefill of its ~20k-token prompt takes longer. The rest keeps all its traffic on the
 # local server (no telemetry, error reports, update checks or other non-essential calls).
-LOCAL_DEFAULTS = {"CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000", "API_TIMEOUT_MS": "3600000",
-                  "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_TELEMETRY": "1",
-                  "DISABLE_ERROR_REPORTING": "1", "DISABLE_AUTOUPDATER": "1"}
+LOCAL_DEFAULTS = {
+    "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000",
+    "API_TIMEOUT_MS": "3600000",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_TELEMETRY": "1",
+    "DISABLE_ERROR_REPORTING": "1",
+    "DISABLE_AUTOUPDATER": "1",
+}
 
 
 def run(args) -> int:
@@ -142,17 +164,22 @@ def run(args) -> int:
         print("unset " + " ".join(DROP))
         return 0
     if args.print_settings:
-        print("# for .claude/settings.local.json in your project (keep it out of version control: "
-              "it holds the server key)", file=sys.stderr)
+        print(
+            "# for .claude/settings.local.json in your project (keep it out of version control: "
+            "it holds the server key)",
+            file=sys.stderr,
+        )
         print(json.dumps({"env": env_add}, indent=2))
         return 0
     env = {k: v for k, v in os.environ.items() if k not in DROP}
     env.update(env_add)
     exe = shutil.which(args.claude, path=env.get("PATH"))
     if exe is None:
-        raise UserError(f"`{args.claude}` was not found on PATH: install Claude Code "
-                        "(npm install -g @anthropic-ai/claude-code) or pass --claude /path/to/claude; "
-                        "--print-env shows the settings to use by hand")
+        raise UserError(
+            f"`{args.claude}` was not found on PATH: install Claude Code "
+            "(npm install -g @anthropic-ai/claude-code) or pass --claude /path/to/claude; "
+            "--print-env shows the settings to use by hand"
+        )
     print(f"mlx-dspark claude: {model} at {url}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execve(exe, [exe, *extra], env)

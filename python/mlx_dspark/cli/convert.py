@@ -9,15 +9,25 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("convert", help="convert a GGUF file (llama, gemma3) into an mlx-lm model folder",
-                       description="Write FILE.gguf as an mlx-lm folder: config.json, model.safetensors and "
-                                   "tokenizer files with the chat template from the GGUF metadata.")
+    p = sub.add_parser(
+        "convert",
+        help="convert a GGUF file (llama, gemma3) into an mlx-lm model folder",
+        description="Write FILE.gguf as an mlx-lm folder: config.json, model.safetensors and "
+        "tokenizer files with the chat template from the GGUF metadata.",
+    )
     p.add_argument("file", nargs="?", metavar="FILE.gguf", help="the GGUF file (default: the demo model)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (must not exist, or be empty)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                   help="precision of the weights (default: float32 on CPU, bfloat16 on a GPU)")
-    p.add_argument("--quantize", type=int, choices=[4, 8],
-                   help="MLX affine 4/8-bit: Q4_0/Q4_1/Q8_0 blocks that fit are copied exactly, the rest re-quantized")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        help="precision of the weights (default: float32 on CPU, bfloat16 on a GPU)",
+    )
+    p.add_argument(
+        "--quantize",
+        type=int,
+        choices=[4, 8],
+        help="MLX affine 4/8-bit: Q4_0/Q4_1/Q8_0 blocks that fit are copied exactly, the rest re-quantized",
+    )
     p.add_argument("--json", action="store_true", help="print what was written as one JSON object")
 
 
@@ -39,6 +49,9 @@ def run(args) -> int:
         print(json.dumps(info))
     else:
         q = f", MLX {info['quantize']}-bit" if info.get("quantize") else ""
-        print(f"wrote {out} ({info['architecture']}, {info['dtype']}{q}) from {src} "
-              f"in {time.perf_counter() - started:.1f} s", file=sys.stdout)
+        print(
+            f"wrote {out} ({info['architecture']}, {info['dtype']}{q}) from {src} "
+            f"in {time.perf_counter() - started:.1f} s",
+            file=sys.stdout,
+        )
     return 0

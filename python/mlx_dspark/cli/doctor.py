@@ -18,8 +18,12 @@ def collect() -> dict:
 
     from .._version import __version__
 
-    info: dict = {"mlx_dspark": __version__, "python": sys.version.split()[0],
-                  "platform": f"{platform.system()} {platform.machine()}", "mlx": mx.__version__}
+    info: dict = {
+        "mlx_dspark": __version__,
+        "python": sys.version.split()[0],
+        "platform": f"{platform.system()} {platform.machine()}",
+        "mlx": mx.__version__,
+    }
     try:
         import mlx_lm
 
@@ -81,8 +85,10 @@ def blas_report() -> dict:
     elif os.environ.get("MLX_DSPARK_OPENBLAS") == "0":
         out["note"] = "reference BLAS (slow): MLX_DSPARK_OPENBLAS=0 turned the OpenBLAS preload off"
     elif find_openblas():
-        out["note"] = (f"reference BLAS (slow) in this process; {find_openblas()} exists but is not preloaded "
-                       "(MLX_DSPARK_OPENBLAS=0 set, or not run through the mlx-dspark CLI)")
+        out["note"] = (
+            f"reference BLAS (slow) in this process; {find_openblas()} exists but is not preloaded "
+            "(MLX_DSPARK_OPENBLAS=0 set, or not run through the mlx-dspark CLI)"
+        )
     else:
         out["note"] = f"reference BLAS (slow): speculation cannot pay on CPU; {INSTALL_HINT}"
     return out

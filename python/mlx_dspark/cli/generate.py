@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import (add_decode_args, add_model_args, drafter_options, load_from_args, positive_int,
-                     sampling_from_args)
+from .common import add_decode_args, add_model_args, drafter_options, load_from_args, positive_int, sampling_from_args
 
 
 def add_parser(sub) -> None:
@@ -21,9 +20,14 @@ def add_parser(sub) -> None:
     p.add_argument("--no-thinking", action="store_true", help="ask the chat template for non-thinking mode")
     p.add_argument("--no-stream", action="store_true", help="print the text once, at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, accept lengths, timings")
-    p.add_argument("--logprobs", type=int, default=None, metavar="N",
-                   help="logprobs of the committed tokens and the N most likely alternatives: in the JSON "
-                        "object with --json, else a table on stderr after the text")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="logprobs of the committed tokens and the N most likely alternatives: in the JSON "
+        "object with --json, else a table on stderr after the text",
+    )
 
 
 def run(args) -> int:
@@ -37,18 +41,34 @@ def run(args) -> int:
     want_lp = args.logprobs is not None
     sampling = sampling_from_args(args, logprobs=want_lp, top_logprobs=args.logprobs or 0)
     target, tokenizer, drafter = load_from_args(args)
-    ids = encode_prompt(tokenizer, args.prompt, chat_template=not args.no_chat_template,
-                        enable_thinking=False if args.no_thinking else None, system=args.system)
+    ids = encode_prompt(
+        tokenizer,
+        args.prompt,
+        chat_template=not args.no_chat_template,
+        enable_thinking=False if args.no_thinking else None,
+        system=args.system,
+    )
     stream = not (args.no_stream or args.json)
 
     def on_text(chunk: str) -> None:
         sys.stdout.write(chunk)
         sys.stdout.flush()
 
-    res = generate(target, tokenizer, None, prompt_ids=ids, mode=args.mode, drafter=drafter,
-                   max_new_tokens=args.max_new_tokens, max_draft=args.max_draft, sampling=sampling,
-                   stop=args.stop, on_text=on_text if stream else None,
-                   lookup_long_draft=args.lookup_long_draft, **drafter_options(args))
+    res = generate(
+        target,
+        tokenizer,
+        None,
+        prompt_ids=ids,
+        mode=args.mode,
+        drafter=drafter,
+        max_new_tokens=args.max_new_tokens,
+        max_draft=args.max_draft,
+        sampling=sampling,
+        stop=args.stop,
+        on_text=on_text if stream else None,
+        lookup_long_draft=args.lookup_long_draft,
+        **drafter_options(args),
+    )
     if args.json:
         out = res.to_dict()
         out["model"] = target.source or target.name
@@ -62,14 +82,18 @@ def run(args) -> int:
         print(res.text)
     if res.logprobs is not None:
         print_logprobs(res.logprobs, tokenizer, file=sys.stderr)
-    print(f"[{res.mode}] {len(res.tokens)} tokens, mean accept {res.mean_accept_len:.2f}, "
-          f"prefill {res.prefill_s * 1000:.0f} ms, decode {res.decode_tps:.1f} tok/s, "
-          f"end-to-end {res.e2e_tps:.1f} tok/s", file=sys.stderr)
+    print(
+        f"[{res.mode}] {len(res.tokens)} tokens, mean accept {res.mean_accept_len:.2f}, "
+        f"prefill {res.prefill_s * 1000:.0f} ms, decode {res.decode_tps:.1f} tok/s, "
+        f"end-to-end {res.e2e_tps:.1f} tok/s",
+        file=sys.stderr,
+    )
     return 0
 
 
 def print_logprobs(entries: list[dict], tokenizer, file) -> None:
     """One line per committed token: its text, its logprob and the alternatives asked for."""
+
     def show(t: int) -> str:
         return json.dumps(tokenizer.decode([t]), ensure_ascii=False)
 

@@ -63,10 +63,23 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"pairs": rows, "demo": demo}, ensure_ascii=False))
         return 0
-    cols = [("target", "target"), ("mode", "mode"), ("drafts", "drafts_per_round"), ("drafter", "drafter"),
-            ("publisher", "publisher")]
-    cells = [[r["target"], r["mode"], str(r["drafts_per_round"] or "config"), _drafter_cell(r["drafter"]),
-              r["publisher"].split(" (")[0]] for r in rows]
+    cols = [
+        ("target", "target"),
+        ("mode", "mode"),
+        ("drafts", "drafts_per_round"),
+        ("drafter", "drafter"),
+        ("publisher", "publisher"),
+    ]
+    cells = [
+        [
+            r["target"],
+            r["mode"],
+            str(r["drafts_per_round"] or "config"),
+            _drafter_cell(r["drafter"]),
+            r["publisher"].split(" (")[0],
+        ]
+        for r in rows
+    ]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (h, _) in enumerate(cols)]
     print("  ".join(h.ljust(w) for (h, _), w in zip(cols, widths)).rstrip())
     print("  ".join("-" * w for w in widths))
@@ -76,10 +89,20 @@ def run(args) -> int:
             if r[key]:
                 print(textwrap.fill(f"{label}: {r[key]}", WIDTH, initial_indent="    ", subsequent_indent="      "))
     if any(r["measured"] is None for r in rows):
-        print(textwrap.fill("Rows without a 'measured' line are pairs published by DeepSeek / z-lab, not yet "
-                            "measured by us (`mlx-dspark benchmark --json` measures one).", WIDTH))
-    print(textwrap.fill("Any -4bit / -8bit / bf16 repo of a listed target resolves the same drafter. "
-                        "--drafter REPO_OR_DIR runs any other compatible DSpark / DFlash checkpoint.", WIDTH))
+        print(
+            textwrap.fill(
+                "Rows without a 'measured' line are pairs published by DeepSeek / z-lab, not yet "
+                "measured by us (`mlx-dspark benchmark --json` measures one).",
+                WIDTH,
+            )
+        )
+    print(
+        textwrap.fill(
+            "Any -4bit / -8bit / bf16 repo of a listed target resolves the same drafter. "
+            "--drafter REPO_OR_DIR runs any other compatible DSpark / DFlash checkpoint.",
+            WIDTH,
+        )
+    )
     if demo is not None:
         line = f"demo model (used when --model is omitted): {_demo_line(demo)}"
         if "name" in demo:

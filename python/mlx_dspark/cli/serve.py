@@ -12,43 +12,92 @@ from .common import add_decode_args, add_model_args, drafter_options, load_from_
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve the OpenAI and Anthropic APIs on one port",
-                       description="Serve /v1/chat/completions, /v1/completions, /v1/models (OpenAI) and "
-                                   "/v1/messages (Anthropic) on one port, plus /health and /metrics.")
+    p = sub.add_parser(
+        "serve",
+        help="serve the OpenAI and Anthropic APIs on one port",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models (OpenAI) and "
+        "/v1/messages (Anthropic) on one port, plus /health and /metrics.",
+    )
     add_model_args(p)
     add_decode_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="bind address (default 127.0.0.1: this machine only; 0.0.0.0 serves the network)")
+    g.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default 127.0.0.1: this machine only; 0.0.0.0 serves the network)",
+    )
     g.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
-    g.add_argument("--api-key", default=None,
-                   help="require this key on every route (Bearer or x-api-key). Other users can read a command "
-                        "line: prefer the MLX_DSPARK_API_KEY environment variable")
-    g.add_argument("--no-thinking", action="store_true",
-                   help="requests default to the chat template's non-thinking mode")
-    g.add_argument("--context-window", type=positive_int, default=None,
-                   help="refuse prompt + max_tokens beyond this (default: the model's own window)")
-    g.add_argument("--default-max-tokens", type=positive_int, default=4096,
-                   help="the token budget of an OpenAI request that sets none (default 4096)")
-    g.add_argument("--model-alias", action="append", default=[], metavar="NAME",
-                   help="another model name requests may use (repeatable)")
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require this key on every route (Bearer or x-api-key). Other users can read a command "
+        "line: prefer the MLX_DSPARK_API_KEY environment variable",
+    )
+    g.add_argument(
+        "--no-thinking", action="store_true", help="requests default to the chat template's non-thinking mode"
+    )
+    g.add_argument(
+        "--context-window",
+        type=positive_int,
+        default=None,
+        help="refuse prompt + max_tokens beyond this (default: the model's own window)",
+    )
+    g.add_argument(
+        "--default-max-tokens",
+        type=positive_int,
+        default=4096,
+        help="the token budget of an OpenAI request that sets none (default 4096)",
+    )
+    g.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another model name requests may use (repeatable)",
+    )
     g.add_argument("--max-body-mb", type=positive_int, default=32, help="largest request body (default 32 MiB)")
-    g.add_argument("--max-queue", type=positive_int, default=16,
-                   help="requests waiting for the engine before new ones get 429 (default 16)")
-    g.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds an idle keep-alive connection or a slow body read may take (default 120)")
-    g.add_argument("--no-key-in-discovery", action="store_true",
-                   help="leave the key out of the discovery file (then `mlx-dspark claude` needs --api-key)")
+    g.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=16,
+        help="requests waiting for the engine before new ones get 429 (default 16)",
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds an idle keep-alive connection or a slow body read may take (default 120)",
+    )
+    g.add_argument(
+        "--no-key-in-discovery",
+        action="store_true",
+        help="leave the key out of the discovery file (then `mlx-dspark claude` needs --api-key)",
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation at start")
-    g.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefill every prompt in full (default: a prompt that starts like an earlier "
-                        "conversation reuses its KV and prefills only the rest)")
-    g.add_argument("--prefix-cache-slots", type=positive_int, default=2,
-                   help="conversations kept in RAM, most recently used first (default 2)")
-    g.add_argument("--prefix-cache-max-ram-mb", type=float, default=None,
-                   help="RAM budget of the kept conversations (default: no budget beyond the slots)")
-    g.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
-                   help="write conversations pushed out of RAM here and read them back, also after a restart")
+    g.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="prefill every prompt in full (default: a prompt that starts like an earlier "
+        "conversation reuses its KV and prefills only the rest)",
+    )
+    g.add_argument(
+        "--prefix-cache-slots",
+        type=positive_int,
+        default=2,
+        help="conversations kept in RAM, most recently used first (default 2)",
+    )
+    g.add_argument(
+        "--prefix-cache-max-ram-mb",
+        type=float,
+        default=None,
+        help="RAM budget of the kept conversations (default: no budget beyond the slots)",
+    )
+    g.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="write conversations pushed out of RAM here and read them back, also after a restart",
+    )
     g.add_argument("--verbose", action="store_true", help="log every request")
 
 
@@ -60,8 +109,9 @@ def run(args) -> int:
     from ..serve.http import is_loopback_host, make_server
     from ..serve.metrics import Metrics
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+    )
     api_key = args.api_key or os.environ.get("MLX_DSPARK_API_KEY") or None
     if isinstance(args.max_draft, int) and args.max_draft < 0:
         raise UserError(f"--max-draft must be >= 0, got {args.max_draft}")
@@ -71,26 +121,46 @@ def run(args) -> int:
         raise UserError(f"--timeout must be positive, got {args.timeout}")
     loopback = is_loopback_host(args.host.lower())
     if not loopback and api_key is None:
-        print(f"mlx-dspark serve: warning: binding {args.host} without --api-key: anyone who can reach this "
-              "machine can use the model", file=sys.stderr)
+        print(
+            f"mlx-dspark serve: warning: binding {args.host} without --api-key: anyone who can reach this "
+            "machine can use the model",
+            file=sys.stderr,
+        )
     sampling = sampling_from_args(args)
     target, tokenizer, drafter = load_from_args(args)
-    engine = Engine(target, tokenizer, drafter=drafter, mode=args.mode, max_draft=args.max_draft,
-                    drafter_options=drafter_options(args), lookup_long_draft=args.lookup_long_draft,
-                    max_queue=args.max_queue, aliases=args.model_alias, context_window=args.context_window,
-                    default_thinking=False if args.no_thinking else None, default_sampling=sampling,
-                    default_max_tokens=args.default_max_tokens, prefix_cache=_prefix_cache(args, target))
+    engine = Engine(
+        target,
+        tokenizer,
+        drafter=drafter,
+        mode=args.mode,
+        max_draft=args.max_draft,
+        drafter_options=drafter_options(args),
+        lookup_long_draft=args.lookup_long_draft,
+        max_queue=args.max_queue,
+        aliases=args.model_alias,
+        context_window=args.context_window,
+        default_thinking=False if args.no_thinking else None,
+        default_sampling=sampling,
+        default_max_tokens=args.default_max_tokens,
+        prefix_cache=_prefix_cache(args, target),
+    )
     if args.context_window and engine.trained_context and args.context_window > engine.trained_context:
-        print(f"mlx-dspark serve: warning: --context-window {args.context_window} is beyond the "
-              f"{engine.trained_context} tokens this model was trained for: it runs, but its answers past that "
-              "length may degrade", file=sys.stderr)
+        print(
+            f"mlx-dspark serve: warning: --context-window {args.context_window} is beyond the "
+            f"{engine.trained_context} tokens this model was trained for: it runs, but its answers past that "
+            "length may degrade",
+            file=sys.stderr,
+        )
     engine.metrics = Metrics(model=engine.model_id, mode=engine.resolved_mode, version=__version__)
     try:
-        server = make_server(engine, args.host, args.port, api_key=api_key, max_body=args.max_body_mb << 20,
-                             idle_timeout=args.timeout)
+        server = make_server(
+            engine, args.host, args.port, api_key=api_key, max_body=args.max_body_mb << 20, idle_timeout=args.timeout
+        )
     except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}): pass another --port "
-                        "(is another server running? `mlx-dspark claude --print-env` lists what it finds)") from None
+        raise UserError(
+            f"cannot listen on {args.host}:{args.port} ({e.strerror or e}): pass another --port "
+            "(is another server running? `mlx-dspark claude --print-env` lists what it finds)"
+        ) from None
     stopping = threading.Event()
 
     def on_signal(signum, _frame):
@@ -106,15 +176,22 @@ def run(args) -> int:
         engine.warmup(stopping)
     path = None
     try:
-        path = discovery.write(server.port, host=args.host, model=engine.model_id, api_key=api_key,
-                               store_key=not args.no_key_in_discovery)
+        path = discovery.write(
+            server.port, host=args.host, model=engine.model_id, api_key=api_key, store_key=not args.no_key_in_discovery
+        )
     except OSError as e:
-        print(f"mlx-dspark serve: warning: could not write the discovery file ({e}); "
-              "`mlx-dspark claude` will need --url", file=sys.stderr)
+        print(
+            f"mlx-dspark serve: warning: could not write the discovery file ({e}); `mlx-dspark claude` will need --url",
+            file=sys.stderr,
+        )
     window = engine.context_window or "unknown"
-    print(f"mlx-dspark {__version__}: serving {engine.model_id} (mode {engine.resolved_mode}, context {window}) "
-          f"at {server.url}\n  OpenAI:    {server.url}/v1\n  Anthropic: {server.url}  (Claude Code: mlx-dspark claude)"
-          + ("\n  auth: API key required" if api_key else ""), file=sys.stderr, flush=True)
+    print(
+        f"mlx-dspark {__version__}: serving {engine.model_id} (mode {engine.resolved_mode}, context {window}) "
+        f"at {server.url}\n  OpenAI:    {server.url}/v1\n  Anthropic: {server.url}  (Claude Code: mlx-dspark claude)"
+        + ("\n  auth: API key required" if api_key else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
@@ -135,8 +212,9 @@ def _prefix_cache(args, target):
         return None
     from ..serve.prefix_cache import PrefixCache
 
-    pc = PrefixCache(target, slots=args.prefix_cache_slots, max_ram_mb=args.prefix_cache_max_ram_mb,
-                     spill_dir=args.prefix_cache_dir)
+    pc = PrefixCache(
+        target, slots=args.prefix_cache_slots, max_ram_mb=args.prefix_cache_max_ram_mb, spill_dir=args.prefix_cache_dir
+    )
     if not pc.enabled:
         print(f"mlx-dspark serve: prefix cache off: {pc.off_reason}", file=sys.stderr)
         return None

@@ -132,11 +132,22 @@ def key_for(target, drafter=None) -> dict:
     from ..blas import active_blas
 
     dtypes, quant = _weights(target.model)
-    key = {"v": VERSION, "mlx": mx.__version__, "mlx_dspark": __version__, "device": device_name(),
-           "blas": active_blas()["name"] if mx.default_device() == mx.cpu else None,
-           "target": {"source": str(target.source or target.name), "layers": len(target.layers),
-                      "hidden": target.hidden_size, "vocab": target.vocab_size, "dtypes": dtypes,
-                      "quant": quant, "kv_bits": getattr(target, "kv_bits", None)}}
+    key = {
+        "v": VERSION,
+        "mlx": mx.__version__,
+        "mlx_dspark": __version__,
+        "device": device_name(),
+        "blas": active_blas()["name"] if mx.default_device() == mx.cpu else None,
+        "target": {
+            "source": str(target.source or target.name),
+            "layers": len(target.layers),
+            "hidden": target.hidden_size,
+            "vocab": target.vocab_size,
+            "dtypes": dtypes,
+            "quant": quant,
+            "kv_bits": getattr(target, "kv_bits", None),
+        },
+    }
     if drafter is not None:
         d = drafter.describe()
         key["drafter"] = {k: d.get(k) for k in ("source", "kind", "bits", "block_size", "layers", "draft_vocab")}
@@ -205,7 +216,9 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
         t1 = best[1]
         if w in (4, 8, 16, 32) and best[w] >= LINEAR * w * t1:
             break  # linear already: wider verifies cannot pay; extrapolate the rest
-    draft = _DraftTimer(drafter, target, ctx, prompt_hidden) if drafter is not None and prompt_hidden is not None else None
+    draft = (
+        _DraftTimer(drafter, target, ctx, prompt_hidden) if drafter is not None and prompt_hidden is not None else None
+    )
     if draft is not None:
         draft.time()  # ingests the whole context: untimed
     sweep = sum(best.values()) + (draft.best if draft else 0.0)
@@ -219,8 +232,9 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
     if draft is not None and draft.best == float("inf"):
         draft.time()
     widths = sorted(best)
-    return Costs(widths, [best[w] for w in widths], draft.best if draft else None, key_for(target, drafter),
-                 round(spent(), 3))
+    return Costs(
+        widths, [best[w] for w in widths], draft.best if draft else None, key_for(target, drafter), round(spent(), 3)
+    )
 
 
 class _DraftTimer:

@@ -45,8 +45,10 @@ def _draft_sampler(sampling, n_prompt: int):
     try:
         from .sampled import DraftSampler  # lossless sampling
     except ImportError:
-        raise UserError("sampled DSpark/DFlash drafts (temperature > 0 or penalties) need lossless sampling "
-                        "(decode/sampled.py), which this build lacks; use --temperature 0") from None
+        raise UserError(
+            "sampled DSpark/DFlash drafts (temperature > 0 or penalties) need lossless sampling "
+            "(decode/sampled.py), which this build lacks; use --temperature 0"
+        ) from None
     return DraftSampler(sampling, n_prompt)
 
 
@@ -72,13 +74,21 @@ def _exp(x: float) -> float:
 
 
 class DrafterProposer(Proposer):
-    def __init__(self, drafter, *, confidence_threshold: float = 0.0, lookup_drafts: bool = True,
-                 policy: DraftPolicy | None = None):
+    def __init__(
+        self,
+        drafter,
+        *,
+        confidence_threshold: float = 0.0,
+        lookup_drafts: bool = True,
+        policy: DraftPolicy | None = None,
+    ):
         if confidence_threshold < 0 or confidence_threshold >= 1:
             raise UserError(f"{option('confidence-threshold')} must be in [0, 1), got {confidence_threshold}")
         if confidence_threshold > 0 and getattr(drafter, "conf_head", None) is None:
-            raise UserError(f"{option('confidence-threshold')} needs a drafter with a confidence head; "
-                            f"{drafter.source} ({drafter.packaging}) has none")
+            raise UserError(
+                f"{option('confidence-threshold')} needs a drafter with a confidence head; "
+                f"{drafter.source} ({drafter.packaging}) has none"
+            )
         self.drafter = drafter
         self.name = drafter.kind
         self.taps = tuple(drafter.taps)
@@ -98,9 +108,16 @@ class DrafterProposer(Proposer):
         self.last_lookup = False
         self._depth = self._n_hist = 0
         self.policy = self._policy or FixedPolicy(hybrid=True)
-        self.counters = {"drafter_rounds": 0, "drafter_proposed": 0, "drafter_accepted": 0,
-                         "lookup_rounds": 0, "lookup_proposed": 0, "lookup_accepted": 0,
-                         "truncated_rounds": 0, "drafter_s": 0.0}
+        self.counters = {
+            "drafter_rounds": 0,
+            "drafter_proposed": 0,
+            "drafter_accepted": 0,
+            "lookup_rounds": 0,
+            "lookup_proposed": 0,
+            "lookup_accepted": 0,
+            "truncated_rounds": 0,
+            "drafter_s": 0.0,
+        }
 
     # ------------------------------------------------------------------ protocol
     def use_policy(self, policy: DraftPolicy) -> None:
@@ -130,8 +147,10 @@ class DrafterProposer(Proposer):
     def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
         anchor_pos = len(history) - 1
         if self.state[0].offset + self.n_pending != anchor_pos:
-            raise RuntimeError(f"drafter context out of step: {self.state[0].offset} cached + {self.n_pending} "
-                               f"pending rows for an anchor at position {anchor_pos}")
+            raise RuntimeError(
+                f"drafter context out of step: {self.state[0].offset} cached + {self.n_pending} "
+                f"pending rows for an anchor at position {anchor_pos}"
+            )
         if max_draft <= 0:
             return Draft()
         self._n_hist = len(history)
@@ -242,7 +261,9 @@ class DrafterProposer(Proposer):
         start, depth = self.index.match(history)
         if start < 0 or depth < HYBRID_MIN_DEPTH:
             return None
-        if not self.policy.prefer_lookup(max_draft, depth, self.block_drafts if self.policy.ready("drafter", n_hist) else 0):
+        if not self.policy.prefer_lookup(
+            max_draft, depth, self.block_drafts if self.policy.ready("drafter", n_hist) else 0
+        ):
             return None
         k = self.policy.length("lookup", max_draft, n_hist, depth)
         if k <= 0:

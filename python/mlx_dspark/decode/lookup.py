@@ -37,7 +37,7 @@ class NgramIndex:
 
     def sync(self, history: Sequence[int]) -> None:
         if len(history) > len(self.tokens):
-            self.extend(history[len(self.tokens):])
+            self.extend(history[len(self.tokens) :])
 
     def match(self, history: Sequence[int]) -> tuple[int, int]:
         """(start of the continuation, match depth) of the best earlier match, or (-1, 0)."""
@@ -52,8 +52,11 @@ class NgramIndex:
             for end in reversed(ends):
                 if end < n_hist:
                     depth = n
-                    while (depth < end and depth < 4 * LONG_DEPTH
-                           and self.tokens[end - depth - 1] == history[n_hist - depth - 1]):
+                    while (
+                        depth < end
+                        and depth < 4 * LONG_DEPTH
+                        and self.tokens[end - depth - 1] == history[n_hist - depth - 1]
+                    ):
                         depth += 1
                     return end, depth
         return -1, 0
@@ -120,5 +123,9 @@ class LookupProposer(Proposer):
         self.policy.result("lookup", n_proposed, n_accepted, len(self.index.tokens), self._depth)
 
     def stats(self) -> dict:
-        return {"lookup_hits": self.hits, "lookup_proposed": self.proposed, "lookup_accepted": self.accepted,
-                **self.policy.stats()}
+        return {
+            "lookup_hits": self.hits,
+            "lookup_proposed": self.proposed,
+            "lookup_accepted": self.accepted,
+            **self.policy.stats(),
+        }

@@ -60,8 +60,9 @@ def _drafts(proposer: Proposer) -> bool:
 def _switch_off(res: LoopResult, target: Target, cache: list) -> None:
     """Speculation cannot run on this cache: say so once per process and reason, record it."""
     kinds = ", ".join(sorted({type(c).__name__ for c in cache}))
-    res.speculation_off = (f"{target.model_type}: its cache ({kinds}) cannot be rolled back here, "
-                           "so this generation decodes plainly")
+    res.speculation_off = (
+        f"{target.model_type}: its cache ({kinds}) cannot be rolled back here, so this generation decodes plainly"
+    )
     res.speculation_off_at = len(res.tokens)
     if res.speculation_off not in _warned:
         _warned.add(res.speculation_off)
@@ -72,9 +73,14 @@ def _switch_off(res: LoopResult, target: Target, cache: list) -> None:
 TokenCallback = Callable[[list[int]], "str | None"]
 
 
-def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[int],
-             should_cancel: Callable[[], bool] | None = None,
-             progress: Callable[[int], None] | None = None):
+def _prefill(
+    target: Target,
+    cache: list,
+    prompt: Sequence[int],
+    taps: Sequence[int],
+    should_cancel: Callable[[], bool] | None = None,
+    progress: Callable[[int], None] | None = None,
+):
     """Feed the prompt; return the last row of logits and the tapped rows of every position,
     or (None, None) when `should_cancel` said so between chunks. `progress(n)` hears how many
     of the prompt's tokens are in after each chunk.
@@ -106,6 +112,7 @@ def _prefill(target: Target, cache: list, prompt: Sequence[int], taps: Sequence[
 @dataclass
 class Commit:
     """What one step committed: token ids and, when the generation decodes text, their text."""
+
     tokens: list[int]
     text: str = ""
 
@@ -115,6 +122,7 @@ class CacheState:
     """A finished generation's target cache and what it holds, handed to a prefix cache:
     `tokens` are exactly the positions in `cache` (its mlx-lm layer caches, no longer used by the
     generation), `hidden` their tapped rows for `taps` (None where none were kept)."""
+
     tokens: list[int]
     cache: list
     taps: tuple[int, ...] = ()
@@ -133,12 +141,23 @@ class Generation:
     `keep_state=True` keeps what `snapshot()` needs to hand the cache to a prefix cache.
     `on_prefill(done, total)` hears the prefill's progress after each chunk."""
 
-    def __init__(self, target: Target, prompt: Sequence[int], proposer: Proposer | None = None, *,
-                 max_new_tokens: int = 256, max_draft: int = 16, sampling: SamplingParams | None = None,
-                 stop_token_ids: Sequence[int] = (), cache: list | None = None,
-                 should_cancel: Callable[[], bool] | None = None, text=None,
-                 reuse: tuple[int, mx.array | None] | None = None, keep_state: bool = False,
-                 on_prefill: Callable[[int, int], None] | None = None):
+    def __init__(
+        self,
+        target: Target,
+        prompt: Sequence[int],
+        proposer: Proposer | None = None,
+        *,
+        max_new_tokens: int = 256,
+        max_draft: int = 16,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+        cache: list | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+        text=None,
+        reuse: tuple[int, mx.array | None] | None = None,
+        keep_state: bool = False,
+        on_prefill: Callable[[int, int], None] | None = None,
+    ):
         self.target, self.prompt = target, list(prompt)
         self.proposer = proposer or Proposer()
         self.sampling = sampling or SamplingParams()
@@ -208,8 +227,9 @@ class Generation:
             hidden = mx.concatenate(self.fed_hidden, axis=0)
             if hidden.shape[0] != len(self.fed):
                 hidden = None
-        return CacheState(tokens=list(self.fed), cache=self.cache, taps=self.kept_taps if hidden is not None else (),
-                          hidden=hidden)
+        return CacheState(
+            tokens=list(self.fed), cache=self.cache, taps=self.kept_taps if hidden is not None else (), hidden=hidden
+        )
 
     def _fed(self, tokens: list[int], hidden: mx.array | None) -> None:
         if not self.keep_state:
@@ -249,8 +269,9 @@ class Generation:
         report = None if self.on_prefill is None else (lambda n: self.on_prefill(n_reused + n, total))
         if report is not None and n_reused:
             report(0)
-        logits, hidden = _prefill(self.target, self.cache, self.prompt[n_reused:], self.taps, self.should_cancel,
-                                  report)
+        logits, hidden = _prefill(
+            self.target, self.cache, self.prompt[n_reused:], self.taps, self.should_cancel, report
+        )
         if logits is None:
             self.res.prefill_s = time.perf_counter() - t0
             self.res.finish_reason = "cancelled"
@@ -274,8 +295,12 @@ class Generation:
     def _round(self) -> Commit:
         target, cache, acceptor, taps = self.target, self.cache, self.acceptor, self.taps
         remaining = self.max_new_tokens - len(self.res.tokens)
-        plain = (self.pending is not None and acceptor.lazy_ok and remaining > 1
-                 and not (self.speculate and self.proposer.wants_round(self.history)))
+        plain = (
+            self.pending is not None
+            and acceptor.lazy_ok
+            and remaining > 1
+            and not (self.speculate and self.proposer.wants_round(self.history))
+        )
         if plain:
             # Pipelined plain step: enqueue the forward of the pending token, then read it back.
             out = target.forward(self.pending.reshape(1, 1), cache, taps=taps)
@@ -372,15 +397,33 @@ class Generation:
         self.res.proposer_stats = self.proposer.stats()
 
 
-def run(target: Target, prompt: Sequence[int], proposer: Proposer | None = None, *,
-        max_new_tokens: int = 256, max_draft: int = 16, sampling: SamplingParams | None = None,
-        stop_token_ids: Sequence[int] = (), on_tokens: TokenCallback | None = None,
-        cache: list | None = None, should_cancel: Callable[[], bool] | None = None) -> LoopResult:
+def run(
+    target: Target,
+    prompt: Sequence[int],
+    proposer: Proposer | None = None,
+    *,
+    max_new_tokens: int = 256,
+    max_draft: int = 16,
+    sampling: SamplingParams | None = None,
+    stop_token_ids: Sequence[int] = (),
+    on_tokens: TokenCallback | None = None,
+    cache: list | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> LoopResult:
     """Generate up to `max_new_tokens` after `prompt` (token ids): a Generation stepped to the
     end. Output is exactly what plain decoding of `target` gives (greedy), or an exact sample of
     it (T > 0). `on_tokens(new_ids)` may answer "stop" or "cancel" to end it."""
-    g = Generation(target, prompt, proposer, max_new_tokens=max_new_tokens, max_draft=max_draft,
-                   sampling=sampling, stop_token_ids=stop_token_ids, cache=cache, should_cancel=should_cancel)
+    g = Generation(
+        target,
+        prompt,
+        proposer,
+        max_new_tokens=max_new_tokens,
+        max_draft=max_draft,
+        sampling=sampling,
+        stop_token_ids=stop_token_ids,
+        cache=cache,
+        should_cancel=should_cancel,
+    )
     for commit in g:
         if commit.tokens and on_tokens is not None and not g.done:
             verdict = on_tokens(commit.tokens)

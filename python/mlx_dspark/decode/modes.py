@@ -21,13 +21,14 @@ def make_proposer(mode: str, *, drafter=None, lookup_long_draft: int = 32, **dra
     if mode == "lookup":
         return LookupProposer(long_draft=lookup_long_draft)
     if drafter is None:
-        raise UserError(f"{option('mode', mode)} needs a drafter: pass {option('drafter')} REPO_OR_DIR "
-                        f"(or use {option('mode', 'auto')}, which falls back to lookup for targets without one)")
+        raise UserError(
+            f"{option('mode', mode)} needs a drafter: pass {option('drafter')} REPO_OR_DIR "
+            f"(or use {option('mode', 'auto')}, which falls back to lookup for targets without one)"
+        )
     return drafter_proposer(drafter, **drafter_options)
 
 
-def drafter_proposer(drafter, *, confidence_threshold: float = 0.0, lookup_drafts: bool = True,
-                     **_others) -> Proposer:
+def drafter_proposer(drafter, *, confidence_threshold: float = 0.0, lookup_drafts: bool = True, **_others) -> Proposer:
     """The Proposer that drafts with a loaded DSpark / DFlash drafter (options other proposers
     take are ignored here)."""
     from .drafting import DrafterProposer
@@ -65,8 +66,10 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
         if why and drafter is not None and getattr(proposer, "lookup_drafts", False):
             # lookup drafts are free: where the drafter cannot pay, lookup alone may
             if plain_reason(c, lookup_long_draft, False) is None:
-                _say_once(f"the drafter cannot pay on this machine ({why.split('(', 1)[1].rstrip(')')}): "
-                          f"--mode auto runs lookup ({c.summary()})")
+                _say_once(
+                    f"the drafter cannot pay on this machine ({why.split('(', 1)[1].rstrip(')')}): "
+                    f"--mode auto runs lookup ({c.summary()})"
+                )
                 proposer = LookupProposer(long_draft=lookup_long_draft)
                 proposer.use_policy(CostPolicy(c, cap=lookup_long_draft))
                 return proposer, None

@@ -265,8 +265,7 @@ class CostPolicy(DraftPolicy):
         return r_look >= r_draft
 
     def stats(self) -> dict:
-        return {"policy": "cost", **self.counts,
-                "p_drafter": [round(x, 2) for x in self.slots["drafter"].p[:8]]}
+        return {"policy": "cost", **self.counts, "p_drafter": [round(x, 2) for x in self.slots["drafter"].p[:8]]}
 
 
 def plain_reason(costs: Costs, cap: int, drafter: bool) -> str | None:
@@ -279,14 +278,17 @@ def plain_reason(costs: Costs, cap: int, drafter: bool) -> str | None:
     if gain >= 1.25:
         return None
     w2 = costs.verify(2) / costs.plain
-    return (f"speculation cannot pay on this machine (a verify of 2 tokens costs {w2:.2f}x one of 1"
-            + (f", a drafter pass {t_d / costs.plain:.2f}x" if drafter else "")
-            + f"; at best {gain:.2f}x plain decoding)")
+    return (
+        f"speculation cannot pay on this machine (a verify of 2 tokens costs {w2:.2f}x one of 1"
+        + (f", a drafter pass {t_d / costs.plain:.2f}x" if drafter else "")
+        + f"; at best {gain:.2f}x plain decoding)"
+    )
 
 
-def make_policy(max_draft, costs: Costs | None, *, hybrid: bool, short_draft: int = SHORT_DRAFT,
-                long_draft: int = 32) -> DraftPolicy:
-    """"auto" with measured costs: CostPolicy; anything else (an int, None, or no costs): the
+def make_policy(
+    max_draft, costs: Costs | None, *, hybrid: bool, short_draft: int = SHORT_DRAFT, long_draft: int = 32
+) -> DraftPolicy:
+    """ "auto" with measured costs: CostPolicy; anything else (an int, None, or no costs): the
     fixed rules."""
     if max_draft == "auto" and costs is not None:
         return CostPolicy(costs, cap=max(long_draft, 16))

@@ -60,4 +60,3 @@ class Proposer:
     def stats(self) -> dict:
         """Mode-specific counters for the result (for example lookup hits)."""
         return {}
-

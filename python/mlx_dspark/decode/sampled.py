@@ -91,8 +91,7 @@ def penalty_context(history: Sequence[int], n_prompt: int) -> Sequence[int]:
     return history[n_prompt:]
 
 
-def _penalties(n: int, V: int, generated: Sequence[int], drafts: Sequence[int],
-               params: SamplingParams) -> mx.array:
+def _penalties(n: int, V: int, generated: Sequence[int], drafts: Sequence[int], params: SamplingParams) -> mx.array:
     """[n, V] amounts to subtract: row i counts `generated` + drafts[:i]."""
     gen = np.asarray([t for t in generated if 0 <= t < V], dtype=np.int64)
     counts = mx.array(np.bincount(gen, minlength=V)[:V].astype(np.float32))[None]  # [1, V]
@@ -106,8 +105,14 @@ def _penalties(n: int, V: int, generated: Sequence[int], drafts: Sequence[int],
     return params.frequency_penalty * counts + params.presence_penalty * (counts > 0).astype(mx.float32)
 
 
-def penalized_logits(logits: mx.array, params: SamplingParams, history: Sequence[int] = (), *,
-                     n_prompt: int = 0, drafts: Sequence[int] = ()) -> mx.array:
+def penalized_logits(
+    logits: mx.array,
+    params: SamplingParams,
+    history: Sequence[int] = (),
+    *,
+    n_prompt: int = 0,
+    drafts: Sequence[int] = (),
+) -> mx.array:
     """Step 1 only: float32 logits [n, V] with presence/frequency penalties applied."""
     x = logits.astype(mx.float32)
     if x.ndim == 1:
@@ -137,8 +142,15 @@ def truncate(x: mx.array, params: SamplingParams) -> mx.array:
     return x
 
 
-def process_logits(logits: mx.array, params: SamplingParams, history: Sequence[int] = (), *,
-                   n_prompt: int = 0, drafts: Sequence[int] = (), host: bool | None = None) -> mx.array:
+def process_logits(
+    logits: mx.array,
+    params: SamplingParams,
+    history: Sequence[int] = (),
+    *,
+    n_prompt: int = 0,
+    drafts: Sequence[int] = (),
+    host: bool | None = None,
+) -> mx.array:
     """Raw logits [n, V] (or [V]) -> the float32 distribution [n, V] that is sampled.
 
     Row i's penalty context is history[n_prompt:] + drafts[:i] (see the module docstring for
@@ -165,8 +177,9 @@ def use_host() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def probs_np(x: np.ndarray, params: SamplingParams, generated: Sequence[int] = (),
-             drafts: Sequence[int] = ()) -> np.ndarray:
+def probs_np(
+    x: np.ndarray, params: SamplingParams, generated: Sequence[int] = (), drafts: Sequence[int] = ()
+) -> np.ndarray:
     """process_logits in numpy: raw logits [n, V] -> float32 distribution [n, V]; row i's
     penalties count `generated` + drafts[:i]. Same steps, same order (probabilities of the kept
     tokens renormalized, which equals the softmax of the kept logits)."""
@@ -338,8 +351,9 @@ class SampledAcceptor:
             x = penalized_logits(logits[: k + 1], self.params, history, n_prompt=n_prompt, drafts=draft.tokens)
             _, acc, bonus = kernels.greedy_accept(x[None], d)
         else:
-            p = process_logits(logits[: k + 1], self.params, history, n_prompt=n_prompt, drafts=draft.tokens,
-                               host=self.host)
+            p = process_logits(
+                logits[: k + 1], self.params, history, n_prompt=n_prompt, drafts=draft.tokens, host=self.host
+            )
             q = None
             if draft.q is not None and k:
                 q = draft.q[:k].astype(mx.float32)

@@ -72,8 +72,7 @@ class SamplingParams:
             v = getattr(self, name)
             if not -PENALTY_RANGE <= v <= PENALTY_RANGE:
                 raise UserError(f"{name} must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {v}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or self.seed < 0):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise UserError(f"seed must be an integer >= 0, got {self.seed!r}")
         if not 0 <= self.top_logprobs <= 20:
             raise UserError(f"top_logprobs must be in 0..20, got {self.top_logprobs}")

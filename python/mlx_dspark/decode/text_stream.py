@@ -13,8 +13,13 @@ class TextStream:
     Tokens are fed one at a time so that the token completing a stop string is known exactly:
     `stop_string` is the string that matched, `stop_token_index` the index of that token."""
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None,
-                 keep_leading_space: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        stop: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        keep_leading_space: bool = False,
+    ):
         from ..compat import fresh_detokenizer
 
         self.detok = fresh_detokenizer(tokenizer, keep_leading_space)

@@ -93,8 +93,11 @@ def _self_check(path: str) -> bool:
         except Exception as e:  # a kernel that does not compile or launch
             ok, why = False, f"{type(e).__name__}: {e}"
         if not ok:
-            warnings.warn(f"mlx-dspark: the {path} kernels failed their self-check ({why}); using the "
-                          "pure-MLX reference", _native.NativeFallbackWarning, stacklevel=4)
+            warnings.warn(
+                f"mlx-dspark: the {path} kernels failed their self-check ({why}); using the pure-MLX reference",
+                _native.NativeFallbackWarning,
+                stacklevel=4,
+            )
         _checked[path] = ok
         return ok
 
@@ -127,9 +130,16 @@ def kernel_paths() -> dict:
     if _checked.get(path) is False:
         path = "reference (self-check failed)"
     wg = wide_gemm_policy()
-    return {"backend": _backend(), "greedy_accept": path, "sampling_accept": path,
-            "wide_gemm": (f"on (>= {wg['min_rows']} rows, {wg['compute']} GEMM): {wg['why']}"
-                          if wg["enabled"] else f"off: {wg['why']}")}
+    return {
+        "backend": _backend(),
+        "greedy_accept": path,
+        "sampling_accept": path,
+        "wide_gemm": (
+            f"on (>= {wg['min_rows']} rows, {wg['compute']} GEMM): {wg['why']}"
+            if wg["enabled"]
+            else f"off: {wg['why']}"
+        ),
+    }
 
 
 def greedy_accept(logits: mx.array, draft: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -148,8 +158,9 @@ def greedy_accept(logits: mx.array, draft: mx.array) -> tuple[mx.array, mx.array
     return _call(path, "greedy_accept", logits, draft)
 
 
-def sampling_accept(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array,
-                    u_bonus: mx.array) -> tuple[mx.array, mx.array]:
+def sampling_accept(
+    p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array, u_bonus: mx.array
+) -> tuple[mx.array, mx.array]:
     """Speculative-sampling accept (lossless sampling), one kernel per batch row.
 
     Inputs (B batch rows, k = w - 1 drafted tokens, V vocabulary):
@@ -196,5 +207,14 @@ def reset() -> None:
     _checked.clear()
 
 
-__all__ = ["native_status", "reset", "greedy_accept", "greedy_accept_reference", "kernel_paths", "prefill_context",
-           "sampling_accept", "sampling_accept_reference", "wide_gemm_policy"]
+__all__ = [
+    "native_status",
+    "reset",
+    "greedy_accept",
+    "greedy_accept_reference",
+    "kernel_paths",
+    "prefill_context",
+    "sampling_accept",
+    "sampling_accept_reference",
+    "wide_gemm_policy",
+]

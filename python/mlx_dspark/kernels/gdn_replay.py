@@ -4,9 +4,10 @@ reference.
 `gdn_replay(k, v, g, beta, state)` returns the recurrent state after T positions of mlx-lm's
 scalar-gated delta rule (the recurrence of qwen3_5 / qwen3_next's GDN layers; q is not needed
 for the state); `gdn_recurrence(q, k, v, g, beta, state)` also returns the outputs y [B, T, Hv,
-Dv] (float32), so one kernel can serve plain steps, verify rounds and the replay alike. The body (kernels/gpu/gdn_replay.h) is written once over ds_portable.h and
-instanced for CUDA (`mx.fast.cuda_kernel`) and Metal (`mx.fast.metal_kernel`); the reference is
-the same arithmetic as mlx-lm's `_gated_delta_step_ops` loop.
+Dv] (float32), so one kernel can serve plain steps, verify rounds and the replay alike. The
+body (kernels/gpu/gdn_replay.h) is written once over ds_portable.h and instanced for CUDA
+(`mx.fast.cuda_kernel`) and Metal (`mx.fast.metal_kernel`); the reference is the same arithmetic
+as mlx-lm's `_gated_delta_step_ops` loop.
 
 Not wired into models/hybrid.py yet, on purpose: the rollback must rebuild the state plain
 decoding holds bitwise, and plain decoding runs mlx-lm's own recurrence (its ops loop on CPU and
@@ -54,8 +55,9 @@ def metal_instance() -> Instance:
     return Instance("ds_gdn_replay", INPUTS, OUTPUTS, _METAL_LAUNCH + _CALL, _body())
 
 
-def gdn_recurrence_reference(q: mx.array | None, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
-                             state: mx.array):
+def gdn_recurrence_reference(
+    q: mx.array | None, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array
+):
     """Pure MLX: (y [B, T, Hv, Dv] or None without q, the state after the T positions), mlx-lm's
     per-position ops in the same order (y in float32)."""
     Hk, Hv = k.shape[2], v.shape[2]
@@ -83,32 +85,49 @@ def gdn_replay_reference(k: mx.array, v: mx.array, g: mx.array, beta: mx.array, 
 def _kernel(lang: str):
     inst = cuda_instance() if lang == "cuda" else metal_instance()
     make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
-    return make(name=inst.name, input_names=list(inst.input_names), output_names=list(inst.output_names),
-                source=inst.source, header=inst.header)
+    return make(
+        name=inst.name,
+        input_names=list(inst.input_names),
+        output_names=list(inst.output_names),
+        source=inst.source,
+        header=inst.header,
+    )
 
 
 def supported(k: mx.array, v: mx.array, state: mx.array) -> bool:
-    return (k.ndim == 4 and v.ndim == 4 and state.ndim == 4 and k.shape[-1] <= MAX_DK
-            and state.dtype == mx.float32 and v.shape[2] % k.shape[2] == 0)
+    return (
+        k.ndim == 4
+        and v.ndim == 4
+        and state.ndim == 4
+        and k.shape[-1] <= MAX_DK
+        and state.dtype == mx.float32
+        and v.shape[2] % k.shape[2] == 0
+    )
 
 
-def gdn_recurrence_gpu(q: mx.array | None, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
-                       state: mx.array, lang: str = "cuda"):
+def gdn_recurrence_gpu(
+    q: mx.array | None, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array, lang: str = "cuda"
+):
     """(y [B, T, Hv, Dv] float32 or None without q, the new state), one launch."""
     B, Hv, Dv, Dk = state.shape
     T = k.shape[1]
     rows = B * Hv * Dv
     grid = -(-rows // THREADS) * THREADS
     with_y = q is not None
-    out, y = _kernel(lang)(inputs=[q if with_y else k, k, v, g, beta, state], template=[("WITH_Y", with_y)],
-                           grid=(grid, 1, 1), threadgroup=(THREADS, 1, 1),
-                           output_shapes=[state.shape, (B, T, Hv, Dv) if with_y else (1,)],
-                           output_dtypes=[mx.float32, mx.float32])
+    out, y = _kernel(lang)(
+        inputs=[q if with_y else k, k, v, g, beta, state],
+        template=[("WITH_Y", with_y)],
+        grid=(grid, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[state.shape, (B, T, Hv, Dv) if with_y else (1,)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
     return (y if with_y else None), out
 
 
-def gdn_replay_gpu(k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
-                   lang: str = "cuda") -> mx.array:
+def gdn_replay_gpu(
+    k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array, lang: str = "cuda"
+) -> mx.array:
     return gdn_recurrence_gpu(None, k, v, g, beta, state, lang=lang)[1]
 
 

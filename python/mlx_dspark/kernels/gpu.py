@@ -15,8 +15,13 @@ from .gpu_source import GA_CHUNK, GA_THREADS, SA_THREADS, SA_THREADS_METAL, cuda
 def _kernel(lang: str, key: str):
     inst = (cuda_instances() if lang == "cuda" else metal_instances())[key]
     make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
-    return make(name=inst.name, input_names=list(inst.input_names), output_names=list(inst.output_names),
-                source=inst.source, header=inst.header)
+    return make(
+        name=inst.name,
+        input_names=list(inst.input_names),
+        output_names=list(inst.output_names),
+        source=inst.source,
+        header=inst.header,
+    )
 
 
 _placeholders: dict = {}
@@ -50,17 +55,33 @@ def greedy_accept(logits: mx.array, draft: mx.array, lang: str = "cuda", fused: 
             if cnt is None:
                 cnt = mx.zeros((size,), dtype=mx.int32)
             target, accepted, bonus, _, nxt = _kernel("cuda", "ga_fused")(
-                inputs=[logits, d, cnt], template=[("CH", GA_CHUNK)], grid=(nch * GA_THREADS, R, 1),
-                threadgroup=(GA_THREADS, 1, 1), output_shapes=shapes + [(size,)], output_dtypes=[mx.int32] * 5)
+                inputs=[logits, d, cnt],
+                template=[("CH", GA_CHUNK)],
+                grid=(nch * GA_THREADS, R, 1),
+                threadgroup=(GA_THREADS, 1, 1),
+                output_shapes=shapes + [(size,)],
+                output_dtypes=[mx.int32] * 5,
+            )
             _chain[key] = nxt
         return target, accepted, bonus
     (part,) = _kernel(lang, "ga_partial")(
-        inputs=[logits], template=[("CH", GA_CHUNK)], grid=(nch * GA_THREADS, R, 1),
-        threadgroup=(GA_THREADS, 1, 1), output_shapes=shapes[3:], output_dtypes=[mx.int32])
+        inputs=[logits],
+        template=[("CH", GA_CHUNK)],
+        grid=(nch * GA_THREADS, R, 1),
+        threadgroup=(GA_THREADS, 1, 1),
+        output_shapes=shapes[3:],
+        output_dtypes=[mx.int32],
+    )
     dims = mx.array([B, w, V, nch], dtype=mx.int32)
-    return tuple(_kernel(lang, "ga_finalize")(
-        inputs=[part, d, dims], grid=(B * GA_THREADS, 1, 1), threadgroup=(GA_THREADS, 1, 1),
-        output_shapes=shapes[:3], output_dtypes=[mx.int32] * 3))
+    return tuple(
+        _kernel(lang, "ga_finalize")(
+            inputs=[part, d, dims],
+            grid=(B * GA_THREADS, 1, 1),
+            threadgroup=(GA_THREADS, 1, 1),
+            output_shapes=shapes[:3],
+            output_dtypes=[mx.int32] * 3,
+        )
+    )
 
 
 def _f32(a: mx.array) -> mx.array:
@@ -74,8 +95,9 @@ def _zeros(shape) -> mx.array:
     return z
 
 
-def sampling_accept(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array, u_bonus: mx.array,
-                    lang: str = "cuda"):
+def sampling_accept(
+    p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array, u_bonus: mx.array, lang: str = "cuda"
+):
     """(accepted [B], bonus [B]) int32; one threadgroup per batch element."""
     B, w, V = p.shape
     k = w - 1
@@ -85,6 +107,10 @@ def sampling_accept(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.arra
     ub = _f32(u_bonus if u_bonus.shape == (B,) else u_bonus.reshape(B))
     accepted, bonus = _kernel(lang, "sa")(
         inputs=[_f32(p), _f32(q) if has_q else _zeros((1,)), _draft_or_placeholder(draft, B, k), uu, ub],
-        template=[("HAS_Q", has_q)], grid=(B * nt, 1, 1), threadgroup=(nt, 1, 1),
-        output_shapes=[(B,), (B,)], output_dtypes=[mx.int32, mx.int32])
+        template=[("HAS_Q", has_q)],
+        grid=(B * nt, 1, 1),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(B,), (B,)],
+        output_dtypes=[mx.int32, mx.int32],
+    )
     return accepted, bonus

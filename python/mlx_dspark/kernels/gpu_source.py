@@ -50,35 +50,45 @@ _METAL_CTX = """  ds_ctx c;
   c.by = threadgroup_position_in_grid.y;
 """
 
-METAL_GA_PARTIAL = _METAL_CTX + """  threadgroup float sv[32];
+METAL_GA_PARTIAL = (
+    _METAL_CTX
+    + """  threadgroup float sv[32];
   threadgroup int si[32];
   const int V = logits_shape[2];
   const int R = logits_shape[0] * logits_shape[1];
   const int nch = (V + CH - 1) / CH;
   ds_ga_partial(c, logits, V, CH, nch, part, part + R * nch, sv, si);
 """
+)
 
-METAL_GA_FINALIZE = _METAL_CTX + """  threadgroup int s_tgt[DS_GA_MAX_W];
+METAL_GA_FINALIZE = (
+    _METAL_CTX
+    + """  threadgroup int s_tgt[DS_GA_MAX_W];
   const int w = dims[1];
   const int nch = dims[3];
   const int R = dims[0] * w;
   ds_ga_finalize(c, (int)c.bx, draft, w, nch, part, part + R * nch, target, accepted, bonus, s_tgt);
 """
+)
 
-METAL_SA = _METAL_CTX + """  threadgroup ds_i64 s64[36];
+METAL_SA = (
+    _METAL_CTX
+    + """  threadgroup ds_i64 s64[36];
   threadgroup int s_i[4];
   threadgroup float sv[32];
   threadgroup int si[32];
   ds_sa_run<HAS_Q>(c, p, q, draft, u, ub, p_shape[1], p_shape[2], accepted, bonus, s64, s_i, sv, si);
 """
+)
 
 
 def metal_instances() -> dict[str, Instance]:
     h = body_text()
     return {
         "ga_partial": Instance("ds_ga_partial", ("logits",), ("part",), METAL_GA_PARTIAL, h),
-        "ga_finalize": Instance("ds_ga_finalize", ("part", "draft", "dims"), ("target", "accepted", "bonus"),
-                                METAL_GA_FINALIZE, h),
+        "ga_finalize": Instance(
+            "ds_ga_finalize", ("part", "draft", "dims"), ("target", "accepted", "bonus"), METAL_GA_FINALIZE, h
+        ),
         "sa": Instance("ds_sa", ("p", "q", "draft", "u", "ub"), ("accepted", "bonus"), METAL_SA, h),
     }
 
@@ -96,7 +106,9 @@ _CUDA_CTX = """  ds_ctx c;
 # `cnt_next` (all zero): chaining them makes MLX order the calls (each one depends on the last),
 # so no two launches share a counter and no fill launch is needed; block (0, 0) zeroes
 # `cnt_next` for the next call. `part` is scratch: pidx [B*w*nch] | pval [B*w*nch].
-CUDA_GA_FUSED = _CUDA_CTX + """  __shared__ float sv[32];
+CUDA_GA_FUSED = (
+    _CUDA_CTX
+    + """  __shared__ float sv[32];
   __shared__ int si[32];
   __shared__ int s_tgt[DS_GA_MAX_W];
   __shared__ int s_last;
@@ -122,37 +134,53 @@ CUDA_GA_FUSED = _CUDA_CTX + """  __shared__ float sv[32];
                    accepted, bonus, s_tgt);
   }
 """
+)
 
-CUDA_GA_PARTIAL = _CUDA_CTX + """  __shared__ float sv[32];
+CUDA_GA_PARTIAL = (
+    _CUDA_CTX
+    + """  __shared__ float sv[32];
   __shared__ int si[32];
   const int V = logits_shape[2];
   const int R = logits_shape[0] * logits_shape[1];
   const int nch = (V + CH - 1) / CH;
   ds_ga_partial(c, logits, V, CH, nch, part, part + R * nch, sv, si);
 """
+)
 
-CUDA_GA_FINALIZE = _CUDA_CTX + """  __shared__ int s_tgt[DS_GA_MAX_W];
+CUDA_GA_FINALIZE = (
+    _CUDA_CTX
+    + """  __shared__ int s_tgt[DS_GA_MAX_W];
   const int w = dims[1];
   const int nch = dims[3];
   const int R = dims[0] * w;
   ds_ga_finalize(c, (int)c.bx, draft, w, nch, part, part + R * nch, target, accepted, bonus, s_tgt);
 """
+)
 
-CUDA_SA = _CUDA_CTX + """  __shared__ ds_i64 s64[36];
+CUDA_SA = (
+    _CUDA_CTX
+    + """  __shared__ ds_i64 s64[36];
   __shared__ int s_i[4];
   __shared__ float sv[32];
   __shared__ int si[32];
   ds_sa_run<HAS_Q>(c, p, q, draft, u, ub, p_shape[1], p_shape[2], accepted, bonus, s64, s_i, sv, si);
 """
+)
 
 
 def cuda_instances() -> dict[str, Instance]:
     h = body_text()
     return {
-        "ga_fused": Instance("ds_ga_fused", ("logits", "draft", "cnt"),
-                             ("target", "accepted", "bonus", "part", "cnt_next"), CUDA_GA_FUSED, h),
+        "ga_fused": Instance(
+            "ds_ga_fused",
+            ("logits", "draft", "cnt"),
+            ("target", "accepted", "bonus", "part", "cnt_next"),
+            CUDA_GA_FUSED,
+            h,
+        ),
         "ga_partial": Instance("ds_ga_partial", ("logits",), ("part",), CUDA_GA_PARTIAL, h),
-        "ga_finalize": Instance("ds_ga_finalize", ("part", "draft", "dims"), ("target", "accepted", "bonus"),
-                                CUDA_GA_FINALIZE, h),
+        "ga_finalize": Instance(
+            "ds_ga_finalize", ("part", "draft", "dims"), ("target", "accepted", "bonus"), CUDA_GA_FINALIZE, h
+        ),
         "sa": Instance("ds_sa", ("p", "q", "draft", "u", "ub"), ("accepted", "bonus"), CUDA_SA, h),
     }

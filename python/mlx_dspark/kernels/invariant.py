@@ -174,8 +174,14 @@ def metal_instance() -> Instance:
 def _kernel(lang: str):
     inst = cuda_instance() if lang == "cuda" else metal_instance()
     make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
-    return make(name=inst.name, input_names=list(inst.input_names), output_names=list(inst.output_names),
-                source=inst.source, header=inst.header, ensure_row_contiguous=False)
+    return make(
+        name=inst.name,
+        input_names=list(inst.input_names),
+        output_names=list(inst.output_names),
+        source=inst.source,
+        header=inst.header,
+        ensure_row_contiguous=False,
+    )
 
 
 _scales: dict[float, mx.array] = {}
@@ -186,8 +192,14 @@ def invariant_attention_gpu(q: mx.array, k: mx.array, v: mx.array, scale: float,
     s = _scales.get(scale)
     if s is None:
         s = _scales[scale] = mx.array([scale], dtype=mx.float32)
-    (out,) = _kernel(lang)(inputs=[q, k, v, s], template=[("T", q.dtype)], grid=(Lq * CHUNK, B * H, 1),
-                           threadgroup=(CHUNK, 1, 1), output_shapes=[(B, H, Lq, D)], output_dtypes=[q.dtype])
+    (out,) = _kernel(lang)(
+        inputs=[q, k, v, s],
+        template=[("T", q.dtype)],
+        grid=(Lq * CHUNK, B * H, 1),
+        threadgroup=(CHUNK, 1, 1),
+        output_shapes=[(B, H, Lq, D)],
+        output_dtypes=[q.dtype],
+    )
     return out
 
 
@@ -205,9 +217,17 @@ def attention_path() -> str:
 
 def supported(q: mx.array, k: mx.array, v: mx.array) -> bool:
     """Shapes the op takes (anything else keeps MLX's kernel, and the load self-check sees it)."""
-    return (q.ndim == 4 and k.ndim == 4 and v.ndim == 4 and q.shape[3] == k.shape[3] == v.shape[3]
-            and q.shape[3] <= MAX_D and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0
-            and k.shape[2] >= q.shape[2] and q.dtype in (mx.float32, mx.float16, mx.bfloat16))
+    return (
+        q.ndim == 4
+        and k.ndim == 4
+        and v.ndim == 4
+        and q.shape[3] == k.shape[3] == v.shape[3]
+        and q.shape[3] <= MAX_D
+        and k.shape[1] > 0
+        and q.shape[1] % k.shape[1] == 0
+        and k.shape[2] >= q.shape[2]
+        and q.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    )
 
 
 def invariant_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:

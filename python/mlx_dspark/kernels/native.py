@@ -40,8 +40,10 @@ def _load():
         return None, f"mlx_dspark._ext is not importable ({type(e).__name__}: {e})"
     built = getattr(_ext, "mlx_version", "?")
     if built != mx.__version__:
-        return None, (f"mlx_dspark._ext was built against MLX {built} but MLX {mx.__version__} is "
-                      f"installed; rebuild it: {REBUILD_HINT}")
+        return None, (
+            f"mlx_dspark._ext was built against MLX {built} but MLX {mx.__version__} is "
+            f"installed; rebuild it: {REBUILD_HINT}"
+        )
     return _ext, None
 
 
@@ -58,8 +60,11 @@ def ext(warn: bool = True):
             _state["tried"] = True
         if _state["ext"] is None and warn and not _state["warned"]:
             _state["warned"] = True
-            warnings.warn(f"mlx-dspark: native kernels unavailable, using pure-MLX kernels: {_state['reason']}",
-                          NativeFallbackWarning, stacklevel=3)
+            warnings.warn(
+                f"mlx-dspark: native kernels unavailable, using pure-MLX kernels: {_state['reason']}",
+                NativeFallbackWarning,
+                stacklevel=3,
+            )
         return _state["ext"]
 
 
@@ -76,6 +81,12 @@ def load_status() -> dict:
     reason = None
     if mod is None:
         reason = "MLX_DSPARK_KERNELS=reference" if mode == "reference" else _state["reason"]
-    return {"loaded": mod is not None, "reason": reason, "module": getattr(mod, "__file__", None),
-            "built_for_mlx": getattr(mod, "mlx_version", None), "metallib": bool(getattr(mod, "has_metal", False)),
-            "primitives": list(getattr(mod, "primitives", ())), "mode": mode}
+    return {
+        "loaded": mod is not None,
+        "reason": reason,
+        "module": getattr(mod, "__file__", None),
+        "built_for_mlx": getattr(mod, "mlx_version", None),
+        "metallib": bool(getattr(mod, "has_metal", False)),
+        "primitives": list(getattr(mod, "primitives", ())),
+        "mode": mode,
+    }

@@ -36,8 +36,9 @@ def _mass(x: mx.array) -> mx.array:
     return (x * MASS_SCALE).astype(mx.int64)
 
 
-def sampling_accept_reference(p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array,
-                              u_bonus: mx.array) -> tuple[mx.array, mx.array]:
+def sampling_accept_reference(
+    p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array, u_bonus: mx.array
+) -> tuple[mx.array, mx.array]:
     """Speculative-sampling accept. Defines the semantics of `kernels.sampling_accept`.
 
     See `kernels.sampling_accept` for the full contract (shapes, rule, integer inverse CDF)."""

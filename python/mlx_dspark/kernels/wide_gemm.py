@@ -59,20 +59,40 @@ def policy() -> dict:
     min_rows = int(os.environ.get("MLX_DSPARK_WIDE_GEMM_MIN", DEFAULT_MIN_ROWS["cpu" if cpu else "gpu"]))
     compute = "float32" if cpu else "model"
     if mode != "auto":
-        return {"enabled": mode == "on", "min_rows": min_rows, "compute": compute, "why": f"MLX_DSPARK_WIDE_GEMM={mode}"}
+        return {
+            "enabled": mode == "on",
+            "min_rows": min_rows,
+            "compute": compute,
+            "why": f"MLX_DSPARK_WIDE_GEMM={mode}",
+        }
     if cpu:
         fast = _fast_cpu_blas()
-        return {"enabled": fast, "min_rows": min_rows, "compute": compute,
-                "why": "fast BLAS loaded" if fast else "reference BLAS: the dense GEMM would not be faster"}
+        return {
+            "enabled": fast,
+            "min_rows": min_rows,
+            "compute": compute,
+            "why": "fast BLAS loaded" if fast else "reference BLAS: the dense GEMM would not be faster",
+        }
     if mx.cuda.is_available():
-        return {"enabled": True, "min_rows": min_rows, "compute": compute, "why": "CUDA: measured faster (and bit-identical) from 512 rows"}
+        return {
+            "enabled": True,
+            "min_rows": min_rows,
+            "compute": compute,
+            "why": "CUDA: measured faster (and bit-identical) from 512 rows",
+        }
     return {"enabled": False, "min_rows": min_rows, "compute": compute, "why": "not measured on this backend"}
 
 
 def dense_quantized_linear(layer: nn.QuantizedLinear, x: mx.array, compute: str = "model") -> mx.array:
     """What `layer(x)` computes, as dequantize-once + dense matmul."""
-    w = mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"), group_size=layer.group_size,
-                      bits=layer.bits, mode=getattr(layer, "mode", "affine"))
+    w = mx.dequantize(
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=getattr(layer, "mode", "affine"),
+    )
     out_dtype = mx.result_type(x, w)
     if compute == "float32" and out_dtype != mx.float32:
         y = mx.matmul(x.astype(mx.float32), w.astype(mx.float32).T).astype(out_dtype)

@@ -82,8 +82,9 @@ def resolve_checkpoint(source: str) -> Path:
     p = Path(source).expanduser()
     if p.exists():
         if not p.is_dir() or not (p / "config.json").exists():
-            raise UserError(f"drafter {p} is not a checkpoint folder: it has no config.json "
-                            "(expected config.json + *.safetensors)")
+            raise UserError(
+                f"drafter {p} is not a checkpoint folder: it has no config.json (expected config.json + *.safetensors)"
+            )
         return p
     if str(source).startswith((".", "/", "~")) or str(source).count("/") != 1:
         raise UserError(f"drafter {source!r} does not exist (pass a local folder or an HF repo id like org/name)")
@@ -92,8 +93,10 @@ def resolve_checkpoint(source: str) -> Path:
 
         return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.py"]))
     except Exception as e:  # network, auth, missing repo
-        raise UserError(f"could not fetch drafter {source!r} from the Hugging Face hub "
-                        f"({type(e).__name__}: {e}); pass a local folder with {option('drafter')}") from None
+        raise UserError(
+            f"could not fetch drafter {source!r} from the Hugging Face hub "
+            f"({type(e).__name__}: {e}); pass a local folder with {option('drafter')}"
+        ) from None
 
 
 def read_config(path: Path) -> dict:
@@ -110,10 +113,16 @@ def stored_quantization(cfg: dict, path: Path) -> tuple[int, int]:
     """(bits, group_size) of a checkpoint stored quantized: config.json's "quantization"
     block (MLX affine; e.g. `python -m mlx_dspark.train.export --bits 8`)."""
     q = cfg.get("quantization")
-    if not isinstance(q, dict) or q.get("bits") not in (2, 3, 4, 5, 6, 8) or q.get("group_size") not in (32, 64, 128) \
-            or q.get("mode", "affine") != "affine":
-        raise UserError(f"drafter {path} stores quantized tensors (*.scales) but its config.json has no valid "
-                        f"\"quantization\" block (got {q!r}; expected {{\"bits\": 8, \"group_size\": 64}})")
+    if (
+        not isinstance(q, dict)
+        or q.get("bits") not in (2, 3, 4, 5, 6, 8)
+        or q.get("group_size") not in (32, 64, 128)
+        or q.get("mode", "affine") != "affine"
+    ):
+        raise UserError(
+            f"drafter {path} stores quantized tensors (*.scales) but its config.json has no valid "
+            f'"quantization" block (got {q!r}; expected {{"bits": 8, "group_size": 64}})'
+        )
     return int(q["bits"]), int(q["group_size"])
 
 
@@ -132,14 +141,16 @@ def read_weights(path: Path) -> dict:
         for name in scales:
             base = name[: -len(".scales")]
             s, b = weights.pop(name), weights.pop(base + ".biases", None)
-            weights[base + ".weight"] = mx.dequantize(weights[base + ".weight"], s, b, group_size=group,
-                                                      bits=bits).astype(s.dtype)
+            weights[base + ".weight"] = mx.dequantize(
+                weights[base + ".weight"], s, b, group_size=group, bits=bits
+            ).astype(s.dtype)
     return weights
 
 
 def safetensors_header(f: Path) -> dict:
     """The header of a safetensors file, checked against the file's size: a file that is cut
     short or is not safetensors at all is refused in one line, before anything reads its data."""
+
     def broken(why: str) -> UserError:
         return UserError(f"{f} is truncated or corrupt ({why}): download it again")
 
@@ -157,8 +168,14 @@ def safetensors_header(f: Path) -> dict:
         raise broken(f"{type(e).__name__}: {e}") from None
     if not isinstance(header, dict):
         raise broken("its header is not a JSON object")
-    end = max((int(m["data_offsets"][1]) for k, m in header.items()
-               if k != "__metadata__" and isinstance(m, dict) and "data_offsets" in m), default=0)
+    end = max(
+        (
+            int(m["data_offsets"][1])
+            for k, m in header.items()
+            if k != "__metadata__" and isinstance(m, dict) and "data_offsets" in m
+        ),
+        default=0,
+    )
     if 8 + n + end > size:
         raise broken(f"its tensors need {8 + n + end} bytes but the file has {size}")
     return header
@@ -212,9 +229,11 @@ def detect_packaging(cfg: dict) -> str:
         return "zlab-dflash"
     if archs == [] and isinstance(cfg.get("dflash_config"), dict):
         return "zlab-dflash"
-    raise UserError(f"unknown drafter packaging (architectures={archs or 'none'}): mlx-dspark loads DeepSpec "
-                    "DSpark/DFlash checkpoints (Qwen3DSparkModel, Gemma4DSparkModel) and z-lab DFlash "
-                    "checkpoints (DFlashDraftModel)")
+    raise UserError(
+        f"unknown drafter packaging (architectures={archs or 'none'}): mlx-dspark loads DeepSpec "
+        "DSpark/DFlash checkpoints (Qwen3DSparkModel, Gemma4DSparkModel) and z-lab DFlash "
+        "checkpoints (DFlashDraftModel)"
+    )
 
 
 def check_remote_code(path: Path, cfg: dict, packaging: str) -> None:
@@ -222,8 +241,11 @@ def check_remote_code(path: Path, cfg: dict, packaging: str) -> None:
 
     The one exception is z-lab's DFlash: its config points AutoModel at `dflash.DFlashDraftModel`,
     which is exactly the architecture implemented here; its code file is never run."""
-    py = sorted(p.relative_to(path).as_posix() for p in path.rglob("*.py")
-                if not any(part.startswith(".") for part in p.relative_to(path).parts))
+    py = sorted(
+        p.relative_to(path).as_posix()
+        for p in path.rglob("*.py")
+        if not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
     auto_map = cfg.get("auto_map") or {}
     if not py and not auto_map:
         return
@@ -238,8 +260,10 @@ def check_remote_code(path: Path, cfg: dict, packaging: str) -> None:
         what.append("Python files " + ", ".join(py[:5]) + (" ..." if len(py) > 5 else ""))
     if auto_map:
         what.append(f"auto_map {json.dumps(auto_map)}")
-    raise UserError(f"drafter {path} ships its own Python code ({'; '.join(what)}): its architecture is "
-                    "defined by that code, which mlx-dspark never runs; refusing rather than guessing")
+    raise UserError(
+        f"drafter {path} ships its own Python code ({'; '.join(what)}): its architecture is "
+        "defined by that code, which mlx-dspark never runs; refusing rather than guessing"
+    )
 
 
 # ----------------------------------------------------------------------------------- spec
@@ -270,14 +294,20 @@ def _rope_params(cfg: dict, style: str) -> tuple[str, float, float, dict]:
     if isinstance(params, dict) and params.get("rope_theta") is not None:
         theta = params["rope_theta"]
     rtype = (block.get("rope_type") or block.get("type") or "default") if isinstance(block, dict) else "default"
-    return rtype, float(theta if theta is not None else 10000.0), float(cfg.get("partial_rotary_factor", 1.0)), dict(block or {})
+    return (
+        rtype,
+        float(theta if theta is not None else 10000.0),
+        float(cfg.get("partial_rotary_factor", 1.0)),
+        dict(block or {}),
+    )
 
 
 SUPPORTED_ROPE = {"default", "proportional", "linear", "llama3", "yarn", "dynamic"}
 
 
-def _check_config_fields(cfg: dict, style: str, *, hidden: int, inter: int, head_dim: int, heads: int,
-                         kv_heads: int) -> None:
+def _check_config_fields(
+    cfg: dict, style: str, *, hidden: int, inter: int, head_dim: int, heads: int, kv_heads: int
+) -> None:
     """The architecture is read from the tensors; a config field that says otherwise is refused,
     naming the field (strict 1:1 loading: neither the config nor the tensors is silently wrong).
     Gemma 4 drafters use the global head size and KV heads, and ignore head_dim / num_key_value_heads."""
@@ -289,8 +319,10 @@ def _check_config_fields(cfg: dict, style: str, *, hidden: int, inter: int, head
     for name, derived in fields.items():
         stated = cfg.get(name)
         if stated is not None and int(stated) != derived:
-            raise UserError(f"drafter config says {name}={stated} but its tensors give {derived}; "
-                            "the checkpoint is inconsistent: download it again or fix config.json")
+            raise UserError(
+                f"drafter config says {name}={stated} but its tensors give {derived}; "
+                "the checkpoint is inconsistent: download it again or fix config.json"
+            )
 
 
 def build_spec(path: Path, cfg: dict, shapes: dict, source: str = "") -> DrafterSpec:
@@ -314,36 +346,56 @@ def build_spec(path: Path, cfg: dict, shapes: dict, source: str = "") -> Drafter
         raise UserError(f"drafter ({packaging}) has no layers.N.* tensors")
     n_layers = layer_ids[-1] + 1
     if cfg.get("num_hidden_layers") is not None and int(cfg["num_hidden_layers"]) != n_layers:
-        raise UserError(f"drafter config says num_hidden_layers={cfg['num_hidden_layers']} but the weights "
-                        f"hold {n_layers} layers")
+        raise UserError(
+            f"drafter config says num_hidden_layers={cfg['num_hidden_layers']} but the weights hold {n_layers} layers"
+        )
     hd = _shape(shapes, "layers.0.self_attn.q_norm.weight", packaging)[0]
     q_rows = _shape(shapes, "layers.0.self_attn.q_proj.weight", packaging)[0]
     k_rows = _shape(shapes, "layers.0.self_attn.k_proj.weight", packaging)[0]
     inter = _shape(shapes, "layers.0.mlp.gate_proj.weight", packaging)[0]
     if q_rows % hd or k_rows % hd:
-        raise UserError(f"drafter attention shapes q_proj {q_rows} / k_proj {k_rows} are not multiples of "
-                        f"head_dim {hd} (from q_norm)")
+        raise UserError(
+            f"drafter attention shapes q_proj {q_rows} / k_proj {k_rows} are not multiples of "
+            f"head_dim {hd} (from q_norm)"
+        )
     k_eq_v = style == "gemma4" and "layers.0.self_attn.v_proj.weight" not in shapes
     if style == "gemma4" and bool(cfg.get("attention_k_eq_v", k_eq_v)) != k_eq_v:
-        raise UserError(f"drafter config says attention_k_eq_v={cfg.get('attention_k_eq_v')} but the weights "
-                        f"{'lack' if k_eq_v else 'have'} v_proj")
+        raise UserError(
+            f"drafter config says attention_k_eq_v={cfg.get('attention_k_eq_v')} but the weights "
+            f"{'lack' if k_eq_v else 'have'} v_proj"
+        )
     _check_config_fields(cfg, style, hidden=H, inter=inter, head_dim=hd, heads=q_rows // hd, kv_heads=k_rows // hd)
     rtype, theta, partial, scaling = _rope_params(cfg, style)
     if rtype not in SUPPORTED_ROPE:
-        raise UserError(f"drafter RoPE type {rtype!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ROPE))})")
+        raise UserError(
+            f"drafter RoPE type {rtype!r} is not supported (supported: {', '.join(sorted(SUPPORTED_ROPE))})"
+        )
     if zlab:
         types = cfg.get("layer_types") or []
         if any(t != "full_attention" for t in types):
-            raise UserError("z-lab DFlash drafters with sliding-window layers are not supported yet "
-                            f"(layer_types={sorted(set(types))})")
+            raise UserError(
+                "z-lab DFlash drafters with sliding-window layers are not supported yet "
+                f"(layer_types={sorted(set(types))})"
+            )
         if cfg.get("is_causal") or dcfg.get("is_causal"):
             raise UserError("causal z-lab DFlash drafters (is_causal) are not supported")
     bcfg = BackboneConfig(
-        style=style, hidden_size=H, num_layers=n_layers, num_heads=q_rows // hd, num_kv_heads=k_rows // hd,
-        head_dim=hd, intermediate_size=inter, context_dim=context_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6), rope_theta=theta, rope_type=rtype,
-        partial_rotary_factor=partial, rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768), k_eq_v=k_eq_v)
+        style=style,
+        hidden_size=H,
+        num_layers=n_layers,
+        num_heads=q_rows // hd,
+        num_kv_heads=k_rows // hd,
+        head_dim=hd,
+        intermediate_size=inter,
+        context_dim=context_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+        rope_theta=theta,
+        rope_type=rtype,
+        partial_rotary_factor=partial,
+        rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+        k_eq_v=k_eq_v,
+    )
 
     block = value("block_size")
     if block is None and zlab:
@@ -358,18 +410,31 @@ def build_spec(path: Path, cfg: dict, shapes: dict, source: str = "") -> Drafter
     mask = int(_need(cfg, "mask_token_id", where, mask))
     taps = tuple(int(t) for t in _need(cfg, "target_layer_ids", where, taps))
     if not taps or context_dim % len(taps):
-        raise UserError(f"drafter fc takes {context_dim} features, which is not a multiple of its "
-                        f"{len(taps)} target_layer_ids")
+        raise UserError(
+            f"drafter fc takes {context_dim} features, which is not a multiple of its {len(taps)} target_layer_ids"
+        )
     if block < 1 + (1 if zlab else 0):
         raise UserError(f"drafter block_size {block} is too small")
 
     if zlab:
         vocab = int(cfg.get("vocab_size") or 0)
-        spec = DrafterSpec(packaging, style, path, source or str(path), cfg, bcfg, vocab, block, mask, taps,
-                           embed_scale=float(value("input_embedding_scale") or 1.0),
-                           output_multiplier=value("output_multiplier"),
-                           softcap=value("final_logit_softcapping"),
-                           num_target_layers=int(n_target) if n_target is not None else None, shapes=shapes)
+        spec = DrafterSpec(
+            packaging,
+            style,
+            path,
+            source or str(path),
+            cfg,
+            bcfg,
+            vocab,
+            block,
+            mask,
+            taps,
+            embed_scale=float(value("input_embedding_scale") or 1.0),
+            output_multiplier=value("output_multiplier"),
+            softcap=value("final_logit_softcapping"),
+            num_target_layers=int(n_target) if n_target is not None else None,
+            shapes=shapes,
+        )
         return spec
     # `distill --export` checkpoints leave out the embed / lm_head copies: bound to the target's.
     bound = bool(cfg.get("embeddings_from_target"))
@@ -392,10 +457,25 @@ def build_spec(path: Path, cfg: dict, shapes: dict, source: str = "") -> Drafter
         # HF's scaled embedding multiplies by sqrt(H) cast to the weight dtype (bf16 in the
         # released checkpoints): bf16(sqrt(3840)) = 62.0.
         embed_scale = float(mx.array(H**0.5, dtype=mx.bfloat16).astype(mx.float32).item())
-    return DrafterSpec(packaging, style, path, source or str(path), cfg, bcfg, vocab, block, mask, taps,
-                       markov_rank=rank, confidence=conf, confidence_with_markov=with_markov,
-                       softcap=float(softcap) if softcap else None, embed_scale=embed_scale,
-                       num_target_layers=int(n_target) if n_target is not None else None, shapes=shapes)
+    return DrafterSpec(
+        packaging,
+        style,
+        path,
+        source or str(path),
+        cfg,
+        bcfg,
+        vocab,
+        block,
+        mask,
+        taps,
+        markov_rank=rank,
+        confidence=conf,
+        confidence_with_markov=with_markov,
+        softcap=float(softcap) if softcap else None,
+        embed_scale=embed_scale,
+        num_target_layers=int(n_target) if n_target is not None else None,
+        shapes=shapes,
+    )
 
 
 def default_zlab_taps(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -412,28 +492,39 @@ def check_target(spec: DrafterSpec, target) -> None:
     name = spec.source
     H = spec.backbone.hidden_size
     if target.hidden_size and H != target.hidden_size:
-        raise UserError(f"drafter {name} has hidden size {H} but the target's is {target.hidden_size}: "
-                        "it was trained for another model")
+        raise UserError(
+            f"drafter {name} has hidden size {H} but the target's is {target.hidden_size}: "
+            "it was trained for another model"
+        )
     if target.hidden_size and spec.backbone.context_dim != len(spec.taps) * target.hidden_size:
-        raise UserError(f"drafter {name} fuses {spec.backbone.context_dim} features per position, not "
-                        f"{len(spec.taps)} taps x the target's hidden size {target.hidden_size}")
+        raise UserError(
+            f"drafter {name} fuses {spec.backbone.context_dim} features per position, not "
+            f"{len(spec.taps)} taps x the target's hidden size {target.hidden_size}"
+        )
     if spec.vocab_size and target.vocab_size and spec.vocab_size != target.vocab_size:
-        raise UserError(f"drafter {name} has a vocabulary of {spec.vocab_size} tokens but the target's has "
-                        f"{target.vocab_size}: it was trained for another tokenizer")
+        raise UserError(
+            f"drafter {name} has a vocabulary of {spec.vocab_size} tokens but the target's has "
+            f"{target.vocab_size}: it was trained for another tokenizer"
+        )
     V = spec.vocab_size or target.vocab_size
     if V and not 0 <= spec.mask_token_id < V:
         raise UserError(f"drafter {name}: mask_token_id {spec.mask_token_id} is outside the vocabulary (0..{V - 1})")
     L = target.num_layers
     for t in spec.taps:
         if t == L - 1:
-            raise UserError(f"drafter {name} taps layer {t}, the target's final layer: its output is not a "
-                            f"DSpark/DFlash feature (taps must be in 0..{L - 2})")
+            raise UserError(
+                f"drafter {name} taps layer {t}, the target's final layer: its output is not a "
+                f"DSpark/DFlash feature (taps must be in 0..{L - 2})"
+            )
         if not 0 <= t < L:
-            raise UserError(f"drafter {name} taps layer {t}, which is out of range for a target with {L} layers "
-                            f"(taps must be in 0..{L - 2})")
+            raise UserError(
+                f"drafter {name} taps layer {t}, which is out of range for a target with {L} layers "
+                f"(taps must be in 0..{L - 2})"
+            )
     if spec.num_target_layers is not None and spec.num_target_layers != L:
-        raise UserError(f"drafter {name} was trained against a {spec.num_target_layers}-layer target; "
-                        f"this target has {L} layers")
+        raise UserError(
+            f"drafter {name} was trained against a {spec.num_target_layers}-layer target; this target has {L} layers"
+        )
 
 
 def check_tensors(spec: DrafterSpec, expected: dict[str, tuple[int, ...]]) -> None:
@@ -454,5 +545,7 @@ def check_tensors(spec: DrafterSpec, expected: dict[str, tuple[int, ...]]) -> No
     if bad:
         problems.append("shape mismatches: " + few([f"{n} {have[n]} != {tuple(expected[n])}" for n in bad]))
     if problems:
-        raise UserError(f"drafter {spec.source} ({spec.packaging}, {spec.style}) does not match its "
-                        f"architecture: {'; '.join(problems)}")
+        raise UserError(
+            f"drafter {spec.source} ({spec.packaging}, {spec.style}) does not match its "
+            f"architecture: {'; '.join(problems)}"
+        )

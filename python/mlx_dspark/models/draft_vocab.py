@@ -91,8 +91,10 @@ def select(folder: Path, choice, vocab_size: int) -> list[int] | None:
     if ranked is None:
         if choice == "auto":
             return None
-        raise UserError(f"{option('draft-vocab', choice)} needs a token ranking ({FILE}) beside the drafter's config.json; "
-                        f"{folder} has none (`mlx-dspark distill` writes one). Use {option('draft-vocab', 'full')}")
+        raise UserError(
+            f"{option('draft-vocab', choice)} needs a token ranking ({FILE}) beside the drafter's config.json; "
+            f"{folder} has none (`mlx-dspark distill` writes one). Use {option('draft-vocab', 'full')}"
+        )
     ids, counts = ranked
     if any(not 0 <= t < vocab_size for t in ids):
         raise UserError(f"{Path(folder) / FILE} holds token ids outside the target's vocabulary ({vocab_size})")
@@ -151,5 +153,15 @@ def expand(z: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
     return full
 
 
-__all__ = ["AUTO_COVERAGE", "FILE", "expand", "parse_choice", "prefix", "ranking", "read_ranking", "row_subset",
-           "select", "write_ranking"]
+__all__ = [
+    "AUTO_COVERAGE",
+    "FILE",
+    "expand",
+    "parse_choice",
+    "prefix",
+    "ranking",
+    "read_ranking",
+    "row_subset",
+    "select",
+    "write_ranking",
+]

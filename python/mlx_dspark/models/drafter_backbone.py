@@ -1,4 +1,5 @@
-"""The parallel drafter backbone shared by DSpark and DFlash (DeepSpec deepspec/modeling/dspark/*/modeling.py; z-lab DFlash, arXiv 2602.06036).
+"""The parallel drafter backbone shared by DSpark and DFlash (DeepSpec's
+deepspec/modeling/dspark/*/modeling.py; z-lab's DFlash, arXiv 2602.06036).
 
 One forward drafts a whole block: the block's input embeddings attend, non-causally, to
   * the context: the fused target taps of every committed position before the anchor
@@ -91,9 +92,13 @@ def make_rope(cfg: BackboneConfig):
     # linear / llama3 / yarn / ...: mlx-lm implements these from the HF scaling block.
     from mlx_lm.models.rope_utils import initialize_rope
 
-    rope = initialize_rope(dims=hd, base=cfg.rope_theta, traditional=False,
-                           scaling_config=dict(cfg.rope_scaling, rope_type=cfg.rope_type),
-                           max_position_embeddings=cfg.max_position_embeddings)
+    rope = initialize_rope(
+        dims=hd,
+        base=cfg.rope_theta,
+        traditional=False,
+        scaling_config=dict(cfg.rope_scaling, rope_type=cfg.rope_type),
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
 
     class _Wrapped:  # keep it out of the parameter tree
         def __call__(self, x, offset=0):

@@ -25,8 +25,16 @@ import mlx.nn as nn
 
 from ..errors import UserError, option
 from . import registry
-from .checkpoints import (DrafterSpec, build_spec, check_target, check_tensors, read_config, read_weights,
-                          resolve_checkpoint, tensor_shapes)
+from .checkpoints import (
+    DrafterSpec,
+    build_spec,
+    check_target,
+    check_tensors,
+    read_config,
+    read_weights,
+    resolve_checkpoint,
+    tensor_shapes,
+)
 from .dflash import BlockDrafter, ZLabDFlashDrafter, ZLabDFlashModel, _raw_head
 from .dspark import DSparkDrafter, DSparkModel
 from .precision import cast_model
@@ -164,8 +172,9 @@ def _warn(msg: str) -> None:
     print(f"mlx-dspark: warning: {msg}", file=sys.stderr)
 
 
-def resolve_drafter(target, mode: str = "auto", drafter: str | None = None,
-                    bits: int | None = None, draft_vocab="auto") -> BlockDrafter | None:
+def resolve_drafter(
+    target, mode: str = "auto", drafter: str | None = None, bits: int | None = None, draft_vocab="auto"
+) -> BlockDrafter | None:
     """The drafter for `target` in `mode` (see the module docstring); None only for mode auto
     (or baseline / lookup) without a usable registered drafter."""
     if mode in ("baseline", "lookup"):
@@ -184,8 +193,10 @@ def resolve_drafter(target, mode: str = "auto", drafter: str | None = None,
     if drafter:
         d = load_drafter(drafter, target, bits=bits, draft_vocab=draft_vocab)
         if mode != "auto" and d.kind != mode:
-            raise UserError(f"{option('mode', mode)} needs a {mode} checkpoint, but {drafter} is a {d.kind} drafter "
-                            f"({d.packaging}); use {option('mode', d.kind)} or {option('mode', 'auto')}")
+            raise UserError(
+                f"{option('mode', mode)} needs a {mode} checkpoint, but {drafter} is a {d.kind} drafter "
+                f"({d.packaging}); use {option('mode', d.kind)} or {option('mode', 'auto')}"
+            )
         return d
     kinds = ("dspark", "dflash") if mode == "auto" else (mode,)
     failures = []
@@ -202,8 +213,10 @@ def resolve_drafter(target, mode: str = "auto", drafter: str | None = None,
     if mode == "auto":
         return None
     name = getattr(target, "source", "") or getattr(target, "name", "") or "this target"
-    raise UserError(f"{option('mode', mode)}: no {mode} drafter is registered for {name}; pass one with {option('drafter')} "
-                    "REPO_OR_DIR (`mlx-dspark models` lists the registered pairs)")
+    raise UserError(
+        f"{option('mode', mode)}: no {mode} drafter is registered for {name}; pass one with {option('drafter')} "
+        "REPO_OR_DIR (`mlx-dspark models` lists the registered pairs)"
+    )
 
 
 __all__ = ["auto_bits", "load_drafter", "resolve_drafter", "module_shapes", "target_dtype"]

@@ -1,5 +1,6 @@
 """DSpark (DeepSpec): the parallel backbone + a rank-r Markov head + a confidence head
-(deepspec/modeling/dspark/qwen3/modeling.py and markov_head.py; DSpark paper Eq. 4-8). DeepSpec's DFlash packaging is this class with both heads off.
+(deepspec/modeling/dspark/qwen3/modeling.py and markov_head.py; DSpark paper Eq. 4-8).
+DeepSpec's DFlash packaging is this class with both heads off.
 
 Per round, for the k draft slots (slot j predicts the token at anchor position + j + 1):
 

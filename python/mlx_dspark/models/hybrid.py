@@ -78,15 +78,24 @@ class ReplayArraysCache(ArraysCache):
         if m == 0:
             self[1] = r.state_before
             return
-        _, state = r.update(r.q[:, :m], r.k[:, :m], r.v[:, :m], r.a[:, :m], r.b[:, :m], r.module.A_log,
-                            r.module.dt_bias, r.state_before, None, use_kernel=not r.module.training)
+        _, state = r.update(
+            r.q[:, :m],
+            r.k[:, :m],
+            r.v[:, :m],
+            r.a[:, :m],
+            r.b[:, :m],
+            r.module.A_log,
+            r.module.dt_bias,
+            r.state_before,
+            None,
+            use_kernel=not r.module.training,
+        )
         self[1] = state
 
 
 def replay_state(update: Callable, module, q, k, v, a, b, state_before):
     """The pure-MLX reference of the replay: the recurrent state after q..b from state_before."""
-    return update(q, k, v, a, b, module.A_log, module.dt_bias, state_before, None,
-                  use_kernel=not module.training)[1]
+    return update(q, k, v, a, b, module.A_log, module.dt_bias, state_before, None, use_kernel=not module.training)[1]
 
 
 def _projections(self, inputs):
@@ -102,8 +111,12 @@ def _projections(self, inputs):
 
 
 def _recording_call(self, inputs, mask=None, cache=None, *, _base, _globals):
-    if (not isinstance(cache, ReplayArraysCache) or mask is not None or cache.lengths is not None
-            or getattr(self, "sharding_group", None) is not None):
+    if (
+        not isinstance(cache, ReplayArraysCache)
+        or mask is not None
+        or cache.lengths is not None
+        or getattr(self, "sharding_group", None) is not None
+    ):
         return _base.__call__(self, inputs, mask, cache)
     B, S, _ = inputs.shape
     mixed, z, b, a = _projections(self, inputs)
@@ -112,13 +125,15 @@ def _recording_call(self, inputs, mask=None, cache=None, *, _base, _globals):
     else:
         conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
     conv_input = mx.concatenate([conv_state, mixed], axis=1)
-    cache[0] = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1):, :])
+    cache[0] = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1) :, :])
     conv_out = nn.silu(self.conv1d(conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
-        for t, h, d in zip(mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
-                           [self.num_k_heads, self.num_k_heads, self.num_v_heads],
-                           [self.head_k_dim, self.head_k_dim, self.head_v_dim])
+        for t, h, d in zip(
+            mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+            [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+            [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+        )
     ]
     state = cache[1]
     q, k = _globals["normalize_qk"](q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)

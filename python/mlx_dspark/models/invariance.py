@@ -73,7 +73,7 @@ def forward_fixed(target, tokens: mx.array, cache: list, taps, width: int):
         logits.append(out.logits[:, :n])
         if out.hidden is not None:
             hidden.append(out.hidden[:, :n])
-    cat = (lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=1))
+    cat = lambda xs: xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=1)
     return cat(logits), (cat(hidden) if hidden else None)
 
 
@@ -124,9 +124,12 @@ def choose(target) -> str:
     if key not in _warned:
         _warned.add(key)
         what = "with a quantized KV cache (--kv-bits) " if target.kv_bits else ""
-        warnings.warn(f"{target.model_type} on {mx.default_device()} {what}does not compute a verify row with the same "
-                      "arithmetic as a plain step: the drafting modes may differ from --mode baseline (near-ties "
-                      "can flip); baseline is exact", stacklevel=3)
+        warnings.warn(
+            f"{target.model_type} on {mx.default_device()} {what}does not compute a verify row with the same "
+            "arithmetic as a plain step: the drafting modes may differ from --mode baseline (near-ties "
+            "can flip); baseline is exact",
+            stacklevel=3,
+        )
     return "none"
 
 

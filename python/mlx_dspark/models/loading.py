@@ -13,7 +13,6 @@ from .precision import DTYPES, cast_model, cast_scales_f32, default_dtype
 from .target import Target
 
 
-
 def resolve_model_path(model: str) -> Path:
     """A local folder as is; otherwise an HF repo id, downloaded like mlx-lm does."""
     if not model or not str(model).strip():
@@ -21,24 +20,41 @@ def resolve_model_path(model: str) -> Path:
     p = Path(model).expanduser()
     if p.exists():
         if p.is_dir() and not (p / "config.json").exists():
-            raise UserError(f"{p} is not a model folder: it has no config.json "
-                            "(expected an mlx-lm / Hugging Face layout: config.json + *.safetensors + tokenizer files)")
+            raise UserError(
+                f"{p} is not a model folder: it has no config.json "
+                "(expected an mlx-lm / Hugging Face layout: config.json + *.safetensors + tokenizer files)"
+            )
         return p
     looks_local = model.startswith((".", "/", "~")) or model.count("/") != 1
     if looks_local:
-        raise UserError(f"model path {model!r} does not exist (pass a local folder, a .gguf file, or an HF repo id like org/name)")
+        raise UserError(
+            f"model path {model!r} does not exist (pass a local folder, a .gguf file, or an HF repo id like org/name)"
+        )
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model",
-                                                              "*.tiktoken", "*.txt", "*.jinja"]))
+        return Path(
+            snapshot_download(
+                model,
+                allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
+            )
+        )
     except Exception as e:  # network, auth, missing repo
-        raise UserError(f"could not fetch {model!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
-                        "pass a local folder or .gguf file with --model") from None
+        raise UserError(
+            f"could not fetch {model!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+            "pass a local folder or .gguf file with --model"
+        ) from None
 
 
-def load_target(model: str | None = None, *, dtype: str | None = None, quantize: int | None = None,
-                kv_bits: int | None = None, probe: bool = True, taps=()) -> tuple[Target, object]:
+def load_target(
+    model: str | None = None,
+    *,
+    dtype: str | None = None,
+    quantize: int | None = None,
+    kv_bits: int | None = None,
+    probe: bool = True,
+    taps=(),
+) -> tuple[Target, object]:
     """Load a target and its tokenizer. Returns (target, tokenizer). `model=None`: the demo model."""
     from .demo import model_or_demo
 

@@ -17,8 +17,7 @@ def cast_model(model: nn.Module, dtype) -> None:
     """Cast floating parameters (quantization scales and biases included) to `dtype`."""
     from mlx.utils import tree_map
 
-    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
+    model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters()))
 
 
 def cast_scales_f32(model: nn.Module) -> None:
@@ -26,6 +25,8 @@ def cast_scales_f32(model: nn.Module) -> None:
     from mlx.utils import tree_flatten, tree_unflatten
 
     params = tree_flatten(model.parameters())
-    fixed = [(k, v.astype(mx.float32)) for k, v in params if k.endswith((".scales", ".biases")) and v.dtype != mx.float32]
+    fixed = [
+        (k, v.astype(mx.float32)) for k, v in params if k.endswith((".scales", ".biases")) and v.dtype != mx.float32
+    ]
     if fixed:
         model.update(tree_unflatten(fixed))

@@ -58,32 +58,69 @@ _ZLAB = "z-lab"
 UNMEASURED = "published pair; not yet measured by mlx-dspark"
 
 PAIRS: tuple[Pair, ...] = (
-    Pair("smollm2-135m-instruct", "dspark", SMOLLM2_DSPARK, "mlx-dspark (distill)", "deepspec-dspark", 7,
-         SMOLLM2_135M, measured="CPU float32: accept 3.20 humaneval, 3.51 mbpp, 2.32 mt-bench; code 2.36x greedy "
-         "(bench/results/dspark-cpu.md)", note="the demo target's drafter (mlx-dspark distill; its README says how it "
-         "was trained); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's"),
+    Pair(
+        "smollm2-135m-instruct",
+        "dspark",
+        SMOLLM2_DSPARK,
+        "mlx-dspark (distill)",
+        "deepspec-dspark",
+        7,
+        SMOLLM2_135M,
+        measured="CPU float32: accept 3.20 humaneval, 3.51 mbpp, 2.32 mt-bench; code 2.36x greedy "
+        "(bench/results/dspark-cpu.md)",
+        note="the demo target's drafter (mlx-dspark distill; its README says how it "
+        "was trained); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's",
+    ),
     Pair("qwen3-4b", "dspark", "deepseek-ai/dspark_qwen3_4b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_4B),
     Pair("qwen3-8b", "dspark", "deepseek-ai/dspark_qwen3_8b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_8B),
     Pair("qwen3-14b", "dspark", "deepseek-ai/dspark_qwen3_14b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_14B),
-    Pair("gemma-4-12b-it", "dspark", "deepseek-ai/dspark_gemma4_12b_block7", _DEEPSEEK, "deepspec-dspark", 7,
-         GEMMA4_12B),
+    Pair(
+        "gemma-4-12b-it", "dspark", "deepseek-ai/dspark_gemma4_12b_block7", _DEEPSEEK, "deepspec-dspark", 7, GEMMA4_12B
+    ),
     Pair("qwen3-4b", "dflash", "deepseek-ai/dflash_qwen3_4b_block7", _DEEPSEEK, "deepspec-dflash", 7, QWEN3_4B),
     Pair("qwen3-8b", "dflash", "deepseek-ai/dflash_qwen3_8b_block7", _DEEPSEEK, "deepspec-dflash", 7, QWEN3_8B),
     Pair("qwen3-14b", "dflash", "deepseek-ai/dflash_qwen3_14b_block7", _DEEPSEEK, "deepspec-dflash", 7, QWEN3_14B),
-    Pair("gemma-4-12b-it", "dflash", "deepseek-ai/dflash_gemma4_12b_block7", _DEEPSEEK, "deepspec-dflash", 7,
-         GEMMA4_12B),
-    Pair("qwen3-4b", "dflash", "z-lab/Qwen3-4B-DFlash-b16", _ZLAB, "zlab-dflash", 15, QWEN3_4B,
-         note="trained on non-thinking answers"),
-    Pair("qwen3-8b", "dflash", "z-lab/Qwen3-8B-DFlash-b16", _ZLAB, "zlab-dflash", 15, QWEN3_8B,
-         note="trained on non-thinking answers"),
-    Pair("llama-3.1-8b-instruct", "dflash", "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat", _ZLAB, "zlab-dflash", None,
-         LLAMA31_8B, note="block size read from its config at load"),
+    Pair(
+        "gemma-4-12b-it", "dflash", "deepseek-ai/dflash_gemma4_12b_block7", _DEEPSEEK, "deepspec-dflash", 7, GEMMA4_12B
+    ),
+    Pair(
+        "qwen3-4b",
+        "dflash",
+        "z-lab/Qwen3-4B-DFlash-b16",
+        _ZLAB,
+        "zlab-dflash",
+        15,
+        QWEN3_4B,
+        note="trained on non-thinking answers",
+    ),
+    Pair(
+        "qwen3-8b",
+        "dflash",
+        "z-lab/Qwen3-8B-DFlash-b16",
+        _ZLAB,
+        "zlab-dflash",
+        15,
+        QWEN3_8B,
+        note="trained on non-thinking answers",
+    ),
+    Pair(
+        "llama-3.1-8b-instruct",
+        "dflash",
+        "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+        _ZLAB,
+        "zlab-dflash",
+        None,
+        LLAMA31_8B,
+        note="block size read from its config at load",
+    ),
 )
 
 # Trailing name parts that only say how a checkpoint is stored, never which model it is.
 _STORAGE_SUFFIX = re.compile(
     r"[-_.](gguf|mlx|\d+bit|\d+-bit|bf16|fp16|f16|fp32|f32|float16|bfloat16|float32|qat|dwq|awq|gptq|mxfp4|nvfp4|"
-    r"q\d(_[a-z0-9]+)*|int\d|w\d+a\d+)$", re.IGNORECASE)
+    r"q\d(_[a-z0-9]+)*|int\d|w\d+a\d+)$",
+    re.IGNORECASE,
+)
 
 
 def canonical_name(name: str) -> str:
@@ -118,8 +155,12 @@ def target_names(target) -> list[str]:
     """The names a loaded Target is known by (source, folder, config name, converted-from file)."""
     names = []
     source = getattr(target, "source", "") or ""
-    for n in (source, getattr(target, "name", ""),
-              (getattr(target, "config", None) or {}).get("_name_or_path", ""), _converted_from(source) if source else ""):
+    for n in (
+        source,
+        getattr(target, "name", ""),
+        (getattr(target, "config", None) or {}).get("_name_or_path", ""),
+        _converted_from(source) if source else "",
+    ):
         if n:
             c = canonical_name(n)
             if c and c not in names:
@@ -128,14 +169,20 @@ def target_names(target) -> list[str]:
 
 
 def shape_matches(shape: Shape, target) -> bool:
-    return (getattr(target, "model_type", "") in shape.families and target.hidden_size == shape.hidden_size
-            and target.num_layers == shape.num_layers and target.vocab_size == shape.vocab_size)
+    return (
+        getattr(target, "model_type", "") in shape.families
+        and target.hidden_size == shape.hidden_size
+        and target.num_layers == shape.num_layers
+        and target.vocab_size == shape.vocab_size
+    )
 
 
 def pairs_for(target, kind: str | None = None) -> list[Pair]:
     """Registered pairs for a loaded target (name and shape must both match), in registry order."""
     names = target_names(target)
-    return [p for p in PAIRS if p.target in names and (kind is None or p.kind == kind) and shape_matches(p.shape, target)]
+    return [
+        p for p in PAIRS if p.target in names and (kind is None or p.kind == kind) and shape_matches(p.shape, target)
+    ]
 
 
 def pairs_for_name(name: str, kind: str | None = None) -> list[Pair]:
@@ -144,6 +191,17 @@ def pairs_for_name(name: str, kind: str | None = None) -> list[Pair]:
 
 
 def table() -> list[dict]:
-    return [{"target": p.target, "mode": p.kind, "drafter": p.drafter, "publisher": p.publisher,
-             "packaging": p.packaging, "drafts_per_round": p.block,
-             "measured": p.measured, "status": p.measured or UNMEASURED, "note": p.note} for p in PAIRS]
+    return [
+        {
+            "target": p.target,
+            "mode": p.kind,
+            "drafter": p.drafter,
+            "publisher": p.publisher,
+            "packaging": p.packaging,
+            "drafts_per_round": p.block,
+            "measured": p.measured,
+            "status": p.measured or UNMEASURED,
+            "note": p.note,
+        }
+        for p in PAIRS
+    ]

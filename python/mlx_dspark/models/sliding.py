@@ -160,8 +160,10 @@ class RewindableRotatingKVCache(RotatingKVCache):
         if layout is None:
             return super().make_mask(N, window_size=window_size, return_array=return_array)
         if window_size is not None and window_size != self.max_size:
-            raise RuntimeError(f"a sliding window of {window_size} over a ring of {self.max_size} is not supported "
-                               "by exact verification")
+            raise RuntimeError(
+                f"a sliding window of {window_size} over a ring of {self.max_size} is not supported "
+                "by exact verification"
+            )
         return layout.mask
 
     def update_and_fetch(self, keys, values):

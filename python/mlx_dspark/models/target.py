@@ -50,8 +50,17 @@ def _text_config(config: dict) -> dict:
 class Target:
     """An mlx-lm model plus tokenizer, with tapped forward and rollback."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, config: dict, *, name: str = "",
-                 kv_bits: int | None = None, kv_group_size: int = 64, source: str = ""):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any,
+        config: dict,
+        *,
+        name: str = "",
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+        source: str = "",
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -70,7 +79,9 @@ class Target:
             head_dim = int(tc.get("head_dim") or self.hidden_size // max(int(tc.get("num_attention_heads", 1)), 1))
             fits = [g for g in (kv_group_size, 64, 32) if head_dim % g == 0]
             if not fits:
-                raise UserError(f"{option('kv-bits')} needs a head dimension divisible by 32; this model's is {head_dim}")
+                raise UserError(
+                    f"{option('kv-bits')} needs a head dimension divisible by 32; this model's is {head_dim}"
+                )
             self.kv_group_size = fits[0]
         self._recorder = tap_decoder_layers(self.layers, _TapRecorder())
         # Multimodal wrappers (gemma3, gemma4) hold the text model as `language_model`.
@@ -90,8 +101,7 @@ class Target:
 
         cache = make_prompt_cache(self.model)
         if self.kv_bits:
-            cache = [c.to_quantized(self.kv_group_size, self.kv_bits) if isinstance(c, KVCache) else c
-                     for c in cache]
+            cache = [c.to_quantized(self.kv_group_size, self.kv_bits) if isinstance(c, KVCache) else c for c in cache]
         return self._rollback_caches(cache)
 
     def _rollback_caches(self, cache: list) -> list:
@@ -104,8 +114,14 @@ class Target:
             return sliding.convert_cache(hybrid.convert_cache(c))
 
         if getattr(self, "_rollback_checked", None) is None:
-            kinds = [name for name, present in (("replay", hybrid.is_hybrid(self.layers)),
-                                                ("rewind", sliding.has_rotating(cache))) if present]
+            kinds = [
+                name
+                for name, present in (
+                    ("replay", hybrid.is_hybrid(self.layers)),
+                    ("rewind", sliding.has_rotating(cache)),
+                )
+                if present
+            ]
             why = hybrid.install_recording(self.layers) if "replay" in kinds else None
             if kinds and why is None:
                 from mlx_lm.models.cache import make_prompt_cache
@@ -170,8 +186,7 @@ class Target:
                 raise RuntimeError(f"cache {type(c).__name__} trimmed {trimmed} of {n} positions")
 
     # ---------------------------------------------------------------- forward
-    def forward(self, tokens: mx.array, cache: list, taps: Sequence[int] = (),
-                last_only: bool = False) -> ForwardOut:
+    def forward(self, tokens: mx.array, cache: list, taps: Sequence[int] = (), last_only: bool = False) -> ForwardOut:
         """Run tokens [B, w] through the model, appending to `cache`.
 
         With `last_only`, logits are computed for the last position only (prefill). A verify-shaped
@@ -179,8 +194,9 @@ class Target:
         or a tapped call on one whose taps failed it, raises the probe's UserError."""
         if tokens.ndim == 1:
             tokens = tokens[None]
-        if (self.rollback_refusal and cache is not None and not last_only and tokens.shape[1] > 1) or \
-                (taps and self.tap_refusal):
+        if (self.rollback_refusal and cache is not None and not last_only and tokens.shape[1] > 1) or (
+            taps and self.tap_refusal
+        ):
             self.check_speculation(taps)  # a verify round (or a tapped forward) on a target that failed the probe
         w = tokens.shape[1]
         sliding.mark_verify(cache, w > 1 and not last_only)  # sliding windows: verify in plain ring order
@@ -225,7 +241,9 @@ class Target:
     def head(self, h: mx.array) -> mx.array:
         """Logits from final-normed hidden states (softcap included where the family has one)."""
         m = self._lm
-        if getattr(m, "lm_head", None) is not None and not getattr(getattr(m, "args", None), "tie_word_embeddings", False):
+        if getattr(m, "lm_head", None) is not None and not getattr(
+            getattr(m, "args", None), "tie_word_embeddings", False
+        ):
             out = m.lm_head(h)
         else:
             out = self._inner.embed_tokens.as_linear(h)
@@ -248,7 +266,9 @@ class Target:
         probe_taps = tuple(sorted(set(taps) | {0, self.num_layers - 1}))
         for t in probe_taps:
             if not 0 <= t < self.num_layers:
-                raise UserError(f"tap layer {t} is out of range: the target has {self.num_layers} layers (0..{self.num_layers - 1})")
+                raise UserError(
+                    f"tap layer {t} is out of range: the target has {self.num_layers} layers (0..{self.num_layers - 1})"
+                )
         self.rollback_refusal = self.tap_refusal = None
         self.invariance = invariance.choose(self)
         vocab = max(self.vocab_size, 2)
@@ -260,13 +280,17 @@ class Target:
         tight, loose = replay_tolerance(ref), width_tolerance(ref)
         H = self.hidden_size
         if not logits_agree(ref, out.logits, loose):
-            self.tap_refusal = (f"{self.model_type}: the tapped forward does not reproduce the model's own logits; "
-                                "this family needs bespoke support for drafters (use --mode baseline or lookup)")
+            self.tap_refusal = (
+                f"{self.model_type}: the tapped forward does not reproduce the model's own logits; "
+                "this family needs bespoke support for drafters (use --mode baseline or lookup)"
+            )
         elif out.hidden is None or out.hidden.shape != (1, 8, len(probe_taps) * H):
             got = None if out.hidden is None else tuple(out.hidden.shape)
-            self.tap_refusal = (f"{self.model_type}: tapped hidden states have shape {got}, expected "
-                                f"(1, 8, {len(probe_taps) * H}); this family's decoder layers cannot be tapped "
-                                "(use --mode baseline or lookup)")
+            self.tap_refusal = (
+                f"{self.model_type}: tapped hidden states have shape {got}, expected "
+                f"(1, 8, {len(probe_taps) * H}); this family's decoder layers cannot be tapped "
+                "(use --mode baseline or lookup)"
+            )
         # Fast last-row head: prefill computes only the last row of logits when this matches.
         if self._inner is not None and hasattr(self._inner, "embed_tokens"):
             try:
@@ -281,8 +305,10 @@ class Target:
         cache = self.make_cache()
         if not self.can_trim(cache, 3):
             return None  # the loop never drafts on a cache it cannot trim
-        why = (f"{self.model_type}: rolling the KV cache back does not reproduce the logits; "
-               "speculative modes cannot run on this target (use --mode baseline)")
+        why = (
+            f"{self.model_type}: rolling the KV cache back does not reproduce the logits; "
+            "speculative modes cannot run on this target (use --mode baseline)"
+        )
         self.forward(ids[:, :5], cache)
         first = self.forward(ids[:, 5:], cache).logits  # positions 5..7 at width 3
         mx.eval(first)
@@ -343,5 +369,8 @@ def logits_agree(a: mx.array, b: mx.array, tol: float) -> bool:
 def logits_replayed(a: mx.array, b: mx.array, tol: float) -> bool:
     """The same arithmetic gave the same logits (within `tol`, the same argmax in every row)."""
     a32, b32 = a.astype(mx.float32), b.astype(mx.float32)
-    return (a32.shape == b32.shape and float(mx.abs(a32 - b32).max().item()) <= tol
-            and bool(mx.all(mx.argmax(a32, -1) == mx.argmax(b32, -1)).item()))
+    return (
+        a32.shape == b32.shape
+        and float(mx.abs(a32 - b32).max().item()) <= tol
+        and bool(mx.all(mx.argmax(a32, -1) == mx.argmax(b32, -1)).item())
+    )

@@ -14,10 +14,17 @@ from .engine import Engine, GenRequest, Job, Plan, build_sampling, resolve_max_t
 from .sse import new_id, sse
 from .validate import ApiError, Fields, check_fields, invalid, type_name
 
-_TYPES = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",
-          "permission": "permission_error", "not_found": "not_found_error", "too_large": "request_too_large",
-          "unsupported_media": "invalid_request_error", "rate_limit": "rate_limit_error",
-          "overloaded": "overloaded_error", "server_error": "api_error"}
+_TYPES = {
+    "invalid_request": "invalid_request_error",
+    "authentication": "authentication_error",
+    "permission": "permission_error",
+    "not_found": "not_found_error",
+    "too_large": "request_too_large",
+    "unsupported_media": "invalid_request_error",
+    "rate_limit": "rate_limit_error",
+    "overloaded": "overloaded_error",
+    "server_error": "api_error",
+}
 
 
 def error_body(err: ApiError) -> dict:
@@ -28,18 +35,36 @@ def _refuse(prompt: int, asked: int | None, window: int) -> ApiError:
     """The real API's two wordings: Claude Code lowers `max_tokens` and retries on the second."""
     if asked is None or prompt >= window:
         return invalid(f"prompt is too long: {prompt} tokens > {window} maximum")
-    return invalid(f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > {window}, "
-                   "decrease input length or `max_tokens` and try again")
+    return invalid(
+        f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > {window}, "
+        "decrease input length or `max_tokens` and try again"
+    )
 
 
 def _nonempty(why):
     return lambda v: why if v else None
 
 
-MESSAGE_FIELDS = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
-                  "top_k", "min_p", "seed", "tools", "tool_choice", "thinking"}
-MESSAGE_REFUSED = {"container": _nonempty("containers are not supported"),
-                   "mcp_servers": _nonempty("MCP servers are not supported by this server")}
+MESSAGE_FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "tools",
+    "tool_choice",
+    "thinking",
+}
+MESSAGE_REFUSED = {
+    "container": _nonempty("containers are not supported"),
+    "mcp_servers": _nonempty("MCP servers are not supported by this server"),
+}
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
 
 
@@ -95,9 +120,13 @@ def _assistant(blocks, where: str) -> dict:
             continue
         elif t == "tool_use":
             f = Fields(b, w + ".")
-            calls.append({"id": f.str("id", required=True), "type": "function",
-                          "function": {"name": f.str("name", required=True, nonempty=True),
-                                       "arguments": f.dict("input", {})}})
+            calls.append(
+                {
+                    "id": f.str("id", required=True),
+                    "type": "function",
+                    "function": {"name": f.str("name", required=True, nonempty=True), "arguments": f.dict("input", {})},
+                }
+            )
         else:
             raise invalid(f"`{w}.type` {t!r} is not supported in an assistant message")
     msg = {"role": "assistant", "content": "\n".join(text)}
@@ -135,8 +164,11 @@ def normalize(body: dict) -> tuple[list[dict], bool]:
     prefill that the model continues."""
     msgs = body.get("messages")
     if not isinstance(msgs, list):
-        raise invalid("`messages` is required and must be an array" if msgs is None
-                      else f"`messages` must be an array, got {type_name(msgs)}")
+        raise invalid(
+            "`messages` is required and must be an array"
+            if msgs is None
+            else f"`messages` must be an array, got {type_name(msgs)}"
+        )
     if not msgs:
         raise invalid("`messages` must not be empty")
     out: list[dict] = []
@@ -155,8 +187,10 @@ def normalize(body: dict) -> tuple[list[dict], bool]:
             raise invalid(f"`{w}.content` is required")
         blocks = _blocks(m["content"], w + ".content")
         if not blocks and not (role == "assistant" and i == len(msgs) - 1):
-            raise invalid(f"messages.{i}: all messages must have non-empty content except for the optional "
-                          "final assistant message")
+            raise invalid(
+                f"messages.{i}: all messages must have non-empty content except for the optional "
+                "final assistant message"
+            )
         if role == "system":  # mid-conversation system entries (Claude Code's beta); chat.render places them
             text = _text_of(blocks, w + ".content")
             if all(x["role"] == "system" for x in out):
@@ -204,8 +238,9 @@ def normalize_tools(v) -> list[dict] | None:
         if not isinstance(t, dict):
             raise invalid(f"`{w}` must be an object, got {type_name(t)}")
         if t.get("type") not in (None, "custom"):
-            raise invalid(f"`{w}` is a server tool ({t.get('type')!r}); only client tools with an input_schema "
-                          "are supported")
+            raise invalid(
+                f"`{w}` is a server tool ({t.get('type')!r}); only client tools with an input_schema are supported"
+            )
         f = Fields(t, w + ".")
         spec = {"name": f.str("name", required=True, nonempty=True, max_len=256)}
         if f.has("description"):
@@ -259,8 +294,13 @@ def _render(engine: Engine, body: dict, tools, choice: str, thinking: bool | Non
     messages, prefill = normalize(body)
     if thinking is None:
         thinking = engine.default_thinking
-    text = chat.render(engine.tokenizer, messages, tools=None if choice == "none" else tools,
-                       enable_thinking=thinking, continue_final=prefill)
+    text = chat.render(
+        engine.tokenizer,
+        messages,
+        tools=None if choice == "none" else tools,
+        enable_thinking=thinking,
+        continue_final=prefill,
+    )
     return text, prefill
 
 
@@ -281,9 +321,12 @@ def plan_messages(engine: Engine, body: dict) -> Plan:
     text, prefill = _render(engine, body, tools, choice, enable)
     ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
     budget = resolve_max_tokens(engine, n, max_tokens, _refuse)
-    parser = chat.OutputParser(in_reasoning=chat.starts_in_reasoning(text), continuing=prefill,
-                               tools=None if choice == "none" else tools,
-                               syntaxes=chat.tool_syntaxes(engine.tokenizer))
+    parser = chat.OutputParser(
+        in_reasoning=chat.starts_in_reasoning(text),
+        continuing=prefill,
+        tools=None if choice == "none" else tools,
+        syntaxes=chat.tool_syntaxes(engine.tokenizer),
+    )
     resp = MessagesResponder(engine, model, ignored, len(ids), show_thinking=show_thinking, parallel=parallel)
     # A prefill's continuation keeps its leading space ("I have" + " continued.").
     return Plan(GenRequest(ids, budget, sampling, stop, api="anthropic", raw=prefill), stream, resp, parser)
@@ -300,8 +343,7 @@ def count_tokens(engine: Engine, body: dict) -> dict:
 
 
 class MessagesResponder:
-    def __init__(self, engine: Engine, model: str, ignored, prompt_tokens: int, *, show_thinking: bool,
-                 parallel: bool):
+    def __init__(self, engine: Engine, model: str, ignored, prompt_tokens: int, *, show_thinking: bool, parallel: bool):
         self.engine, self.model, self.ignored = engine, model, ignored
         self.prompt_tokens = prompt_tokens
         self.show_thinking, self.parallel = show_thinking, parallel
@@ -323,8 +365,12 @@ class MessagesResponder:
         # As Anthropic counts: input_tokens excludes the prompt tokens read from the cache.
         res = job.outcome.result
         cached = getattr(res, "cached_tokens", 0)
-        return {"input_tokens": res.prompt_tokens - cached, "output_tokens": job.outcome.completion_tokens,
-                "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+        return {
+            "input_tokens": res.prompt_tokens - cached,
+            "output_tokens": job.outcome.completion_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+        }
 
     def _keep_call(self) -> bool:
         return self.parallel or self.n_calls == 0
@@ -343,23 +389,43 @@ class MessagesResponder:
                 else:
                     content.append({"type": "text", "text": payload})
             elif kind == "tool_call" and self._keep_call():
-                content.append({"type": "tool_use", "id": new_id("toolu_"), "name": payload.name,
-                                "input": payload.arguments})
+                content.append(
+                    {"type": "tool_use", "id": new_id("toolu_"), "name": payload.name, "input": payload.arguments}
+                )
                 self.n_calls += 1
         reason, seq = self._stop(job)
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-                "stop_reason": reason, "stop_sequence": seq, "usage": self._usage(job),
-                "x_mlx_dspark": x_block(self.engine, job, self.ignored)}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": seq,
+            "usage": self._usage(job),
+            "x_mlx_dspark": x_block(self.engine, job, self.ignored),
+        }
 
     @staticmethod
     def _ev(name: str, data: dict) -> bytes:
         return sse({"type": name, **data}, event=name)
 
     def stream_start(self) -> list[bytes]:
-        msg = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-               "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0,
-                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+        msg = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": self.prompt_tokens,
+                "output_tokens": 0,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+            },
+        }
         return [self._ev("message_start", {"message": msg}), self.ping()]
 
     def _open(self, kind: str, block: dict, out: list) -> None:
@@ -372,8 +438,11 @@ class MessagesResponder:
         if self.open is None:
             return
         if self.open == "thinking":
-            out.append(self._ev("content_block_delta", {"index": self.index,
-                                                        "delta": {"type": "signature_delta", "signature": ""}}))
+            out.append(
+                self._ev(
+                    "content_block_delta", {"index": self.index, "delta": {"type": "signature_delta", "signature": ""}}
+                )
+            )
         out.append(self._ev("content_block_stop", {"index": self.index}))
         self.open = None
 
@@ -383,18 +452,33 @@ class MessagesResponder:
             if kind == "reasoning" and self.show_thinking:
                 if self.open != "thinking":
                     self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""}, out)
-                out.append(self._ev("content_block_delta", {"index": self.index, "delta": {
-                    "type": "thinking_delta", "thinking": payload}}))
+                out.append(
+                    self._ev(
+                        "content_block_delta",
+                        {"index": self.index, "delta": {"type": "thinking_delta", "thinking": payload}},
+                    )
+                )
             elif kind == "text":
                 if self.open != "text":
                     self._open("text", {"type": "text", "text": ""}, out)
-                out.append(self._ev("content_block_delta", {"index": self.index, "delta": {
-                    "type": "text_delta", "text": payload}}))
+                out.append(
+                    self._ev(
+                        "content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": payload}}
+                    )
+                )
             elif kind == "tool_call" and self._keep_call():
-                self._open("tool_use", {"type": "tool_use", "id": new_id("toolu_"), "name": payload.name,
-                                        "input": {}}, out)
-                out.append(self._ev("content_block_delta", {"index": self.index, "delta": {
-                    "type": "input_json_delta", "partial_json": payload.arguments_json()}}))
+                self._open(
+                    "tool_use", {"type": "tool_use", "id": new_id("toolu_"), "name": payload.name, "input": {}}, out
+                )
+                out.append(
+                    self._ev(
+                        "content_block_delta",
+                        {
+                            "index": self.index,
+                            "delta": {"type": "input_json_delta", "partial_json": payload.arguments_json()},
+                        },
+                    )
+                )
                 self._close(out)
                 self.n_calls += 1
         return out
@@ -404,8 +488,16 @@ class MessagesResponder:
         self._close(out)
         reason, seq = self._stop(job)
         usage = self._usage(job)
-        out.append(self._ev("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                              "usage": usage, "x_mlx_dspark": x_block(self.engine, job, self.ignored)}))
+        out.append(
+            self._ev(
+                "message_delta",
+                {
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": usage,
+                    "x_mlx_dspark": x_block(self.engine, job, self.ignored),
+                },
+            )
+        )
         out.append(self._ev("message_stop", {}))
         return out
 

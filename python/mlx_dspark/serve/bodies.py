@@ -25,8 +25,11 @@ class BodyReader:
                 n = self._content_length()
                 if n > limit:
                     self.close_connection = True
-                    raise ApiError(413, f"the request body is {n} bytes; the limit is {limit} "
-                                   "(raise it with --max-body-mb)", "too_large")
+                    raise ApiError(
+                        413,
+                        f"the request body is {n} bytes; the limit is {limit} (raise it with --max-body-mb)",
+                        "too_large",
+                    )
                 data = self.rfile.read(n)
                 if len(data) < n:
                     raise ClientGone()
@@ -70,8 +73,11 @@ class BodyReader:
             total += size
             if total > limit:
                 self.close_connection = True
-                raise ApiError(413, f"the request body exceeds the limit of {limit} bytes "
-                               "(raise it with --max-body-mb)", "too_large")
+                raise ApiError(
+                    413,
+                    f"the request body exceeds the limit of {limit} bytes (raise it with --max-body-mb)",
+                    "too_large",
+                )
             parts.append(self.rfile.read(size))
             self.rfile.readline(16)
 

@@ -46,25 +46,34 @@ _RENDERS_TOOLS: dict = {}  # id(tokenizer) -> whether its template renders tool 
 
 FALLBACK_TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
 FALLBACK_TOOLS_FOOTER = (
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\n</tool_call>")
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call>"
+)
 
 
 def _apply(tokenizer, messages, tools, continue_final, kwargs) -> str:
     with TOKENIZER_LOCK:
-        return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=not continue_final, **kwargs)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=not continue_final, **kwargs
+        )
 
 
 def template_renders_tools(tokenizer) -> bool:
     """Whether the chat template puts tool schemas in the prompt (probed once per tokenizer)."""
     key = id(tokenizer)
     if key not in _RENDERS_TOOLS:
-        tool = {"type": "function", "function": {"name": PROBE_TOOL, "description": "probe",
-                                                  "parameters": {"type": "object", "properties": {}}}}
+        tool = {
+            "type": "function",
+            "function": {
+                "name": PROBE_TOOL,
+                "description": "probe",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
         try:
             text = _apply(tokenizer, [{"role": "user", "content": "x"}], [tool], False, {})
             _RENDERS_TOOLS[key] = isinstance(text, str) and PROBE_TOOL in text
@@ -91,8 +100,11 @@ def tools_as_text(messages: list[dict], tools: list[dict]) -> list[dict]:
                         args = json.loads(args)
                     except ValueError:
                         pass
-                calls.append("<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": args},
-                                                          ensure_ascii=False) + "\n</tool_call>")
+                calls.append(
+                    "<tool_call>\n"
+                    + json.dumps({"name": c["function"]["name"], "arguments": args}, ensure_ascii=False)
+                    + "\n</tool_call>"
+                )
             m["content"] = "\n".join(x for x in [m.get("content") or ""] + calls if x)
         elif m["role"] == "tool":
             m = {"role": "user", "content": "<tool_response>\n" + (m.get("content") or "") + "\n</tool_response>"}
@@ -140,8 +152,15 @@ def merge_mid_system(messages: list[dict]) -> list[dict]:
     return out
 
 
-def render(tokenizer, messages: list[dict], *, tools: list[dict] | None = None, enable_thinking: bool | None = None,
-           template_kwargs: dict | None = None, continue_final: bool = False) -> str:
+def render(
+    tokenizer,
+    messages: list[dict],
+    *,
+    tools: list[dict] | None = None,
+    enable_thinking: bool | None = None,
+    template_kwargs: dict | None = None,
+    continue_final: bool = False,
+) -> str:
     """The prompt text for `messages` through the model's own chat template.
 
     System entries anywhere are kept: leading ones merge into one system turn; later ones are a
@@ -198,7 +217,7 @@ def _pieces(text: str, size: int = COUNT_CHUNK):
         j = min(i + size, n)
         if j < n:
             k = text.rfind(" ", i + size // 2, j)
-            while k > i and (text[k - 1].isspace() or not text[k + 1: k + 2].isalnum()):
+            while k > i and (text[k - 1].isspace() or not text[k + 1 : k + 2].isalnum()):
                 k = text.rfind(" ", i + size // 2, k)
             if k > i:
                 j = k
@@ -279,7 +298,7 @@ def _xml(inner: str, tools) -> list[ToolCall]:
             if part.strip():
                 raise ValueError("text between XML function calls")
             continue
-        body = part[part.index("<function="):] + "</function>"
+        body = part[part.index("<function=") :] + "</function>"
         got = mlx_lm_tool_call("qwen3_coder", body, tools)
         out.append(ToolCall(got["name"], _as_object(got["arguments"])))
     if not out:
@@ -311,8 +330,9 @@ class ToolSyntax:
 
 BUILTIN_SYNTAXES = [
     ToolSyntax("<tool_call>", "</tool_call>", _hermes),
-    ToolSyntax("<|tool_call>", "<tool_call|>",
-               lambda inner, tools: _gemma("<|tool_call>" + inner + "<tool_call|>", tools)),
+    ToolSyntax(
+        "<|tool_call>", "<tool_call|>", lambda inner, tools: _gemma("<|tool_call>" + inner + "<tool_call|>", tools)
+    ),
     ToolSyntax("<function=", "</function>", lambda inner, tools: _xml("<function=" + inner + "</function>", tools)),
 ]
 
@@ -323,11 +343,18 @@ def tool_syntaxes(tokenizer) -> list[ToolSyntax]:
     start = getattr(tokenizer, "tool_call_start", None) if tokenizer is not None else None
     end = getattr(tokenizer, "tool_call_end", None) if tokenizer is not None else None
     parser = getattr(tokenizer, "tool_parser", None) if tokenizer is not None else None
-    if isinstance(start, str) and isinstance(end, str) and start and parser is not None and \
-            all(s.start != start for s in out):
+    if (
+        isinstance(start, str)
+        and isinstance(end, str)
+        and start
+        and parser is not None
+        and all(s.start != start for s in out)
+    ):
+
         def parse(inner, tools, _p=parser):
             got = _p(inner, tools)
             return [ToolCall(g["name"], _as_object(g["arguments"])) for g in (got if isinstance(got, list) else [got])]
+
         out.insert(0, ToolSyntax(start, end, parse))
     return out
 
@@ -380,7 +407,7 @@ class OutputParser:
         while self._step(out, final=True):
             pass
         if self.mode == "tool" and self.buf:
-            self._close_tool(self.buf[len(self.syntax.start):], self.buf, out)
+            self._close_tool(self.buf[len(self.syntax.start) :], self.buf, out)
             self.buf = ""
         if self.buf:
             kind = "reasoning" if self.mode == "reasoning" else "text"
@@ -396,7 +423,7 @@ class OutputParser:
             s = self.buf.lstrip()
             for start, end in THINK_PAIRS:
                 if s.startswith(start):
-                    self.mode, self.think_end, self.buf, self.strip_next = "reasoning", end, s[len(start):], True
+                    self.mode, self.think_end, self.buf, self.strip_next = "reasoning", end, s[len(start) :], True
                     return True
             if not final and (not s or any(start.startswith(s) for start, _ in THINK_PAIRS)):
                 return False
@@ -413,7 +440,7 @@ class OutputParser:
             if i < 0:
                 return False
             j = i + len(self.syntax.end)
-            self._close_tool(self.buf[len(self.syntax.start):i], self.buf[:j], out)
+            self._close_tool(self.buf[len(self.syntax.start) : i], self.buf[:j], out)
             self.buf = self.buf[j:]
             self.mode, self.strip_next = "text", True
             return True
@@ -442,11 +469,11 @@ class OutputParser:
         ready = self.buf[: len(self.buf) - hold]
         if ready:
             out.append((kind, ready))
-            self.buf = self.buf[len(ready):]
+            self.buf = self.buf[len(ready) :]
         return False
 
     def _end_reasoning(self, marker: str) -> None:
-        self.buf = self.buf[len(marker):]
+        self.buf = self.buf[len(marker) :]
         self.mode, self.strip_next = "text", True
 
     def _open_tool(self, marker: str) -> None:

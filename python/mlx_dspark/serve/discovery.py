@@ -44,11 +44,18 @@ def _private_dir(d: Path) -> Path:
     return d
 
 
-def write(port: int, *, host: str, model: str, api_key: str | None, store_key: bool = True,
-          directory: Path | None = None) -> Path:
+def write(
+    port: int, *, host: str, model: str, api_key: str | None, store_key: bool = True, directory: Path | None = None
+) -> Path:
     d = _private_dir(directory or discovery_dir())
-    info = {"port": port, "host": host, "pid": os.getpid(), "model": model, "started": time.time(),
-            "needs_key": api_key is not None}
+    info = {
+        "port": port,
+        "host": host,
+        "pid": os.getpid(),
+        "model": model,
+        "started": time.time(),
+        "needs_key": api_key is not None,
+    }
     if api_key is not None and store_key:
         info["api_key"] = api_key
     path = d / f"{port}.json"

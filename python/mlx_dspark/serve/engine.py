@@ -38,6 +38,7 @@ class GenRequest:
 @dataclass
 class Outcome:
     """What a finished Job produced, with the counts the usage fields report."""
+
     result: object  # api.GenerationResult
     completion_tokens: int  # tokens up to and including the one that completed a stop string
     stop_sequence: str | None  # the stop string that ended generation, if one did
@@ -86,8 +87,12 @@ class Job:
 
 class QueueFull(ApiError):
     def __init__(self, depth: int):
-        super().__init__(429, f"the server is busy ({depth} requests queued): retry shortly", "rate_limit",
-                         headers={"Retry-After": "1"})
+        super().__init__(
+            429,
+            f"the server is busy ({depth} requests queued): retry shortly",
+            "rate_limit",
+            headers={"Retry-After": "1"},
+        )
 
 
 class ShuttingDown(ApiError):
@@ -106,11 +111,27 @@ def sampled_decoding_available() -> bool:
 class Engine:
     """The model, its tokenizer and the one thread that runs generations."""
 
-    def __init__(self, target, tokenizer, *, drafter=None, mode: str = "auto", max_draft: int | None = None,
-                 drafter_options: dict | None = None, lookup_long_draft: int = 32, max_queue: int = 16,
-                 model_id: str | None = None, aliases=(), context_window: int | None = None,
-                 default_thinking: bool | None = None, default_sampling: SamplingParams | None = None,
-                 default_max_tokens: int = 4096, metrics=None, generate_fn=None, prefix_cache=None):
+    def __init__(
+        self,
+        target,
+        tokenizer,
+        *,
+        drafter=None,
+        mode: str = "auto",
+        max_draft: int | None = None,
+        drafter_options: dict | None = None,
+        lookup_long_draft: int = 32,
+        max_queue: int = 16,
+        model_id: str | None = None,
+        aliases=(),
+        context_window: int | None = None,
+        default_thinking: bool | None = None,
+        default_sampling: SamplingParams | None = None,
+        default_max_tokens: int = 4096,
+        metrics=None,
+        generate_fn=None,
+        prefix_cache=None,
+    ):
         from ..api import generate
 
         self.target = target
@@ -143,8 +164,9 @@ class Engine:
         # A mode that cannot run (dspark without a drafter, ...) fails here, at start, not per request.
         from ..decode.modes import make_proposer
 
-        self.resolved_mode = make_proposer(mode, drafter=drafter, lookup_long_draft=lookup_long_draft,
-                                           **self.drafter_options).name
+        self.resolved_mode = make_proposer(
+            mode, drafter=drafter, lookup_long_draft=lookup_long_draft, **self.drafter_options
+        ).name
 
     # ------------------------------------------------------------------ lifecycle
     def prepare(self) -> None:
@@ -219,10 +241,13 @@ class Engine:
         return self.current is not None
 
     def describe(self) -> dict:
-        return {"mode": self.resolved_mode, "max_draft": self.max_draft,
-                "context_window": self.context_window,
-                "prefix_cache": self.prefix_cache.describe() if self.prefix_cache is not None else None,
-                "drafter": getattr(self.drafter, "source", None) if self.drafter is not None else None}
+        return {
+            "mode": self.resolved_mode,
+            "max_draft": self.max_draft,
+            "context_window": self.context_window,
+            "prefix_cache": self.prefix_cache.describe() if self.prefix_cache is not None else None,
+            "drafter": getattr(self.drafter, "source", None) if self.drafter is not None else None,
+        }
 
     # ------------------------------------------------------------------ the engine thread
     def _loop(self) -> None:
@@ -272,8 +297,14 @@ class Engine:
             self.metrics.gauge_prefill(done, total)
         took = time.perf_counter() - (job.t_start or time.perf_counter())
         if took >= PROGRESS_AFTER_S and done < total:
-            log.info("prefill %d/%d tokens (%d%%), %.0f tok/s, %.0f s", done, total, 100 * done // total,
-                     done / took if took else 0.0, took)
+            log.info(
+                "prefill %d/%d tokens (%d%%), %.0f tok/s, %.0f s",
+                done,
+                total,
+                100 * done // total,
+                done / took if took else 0.0,
+                took,
+            )
 
     def _run(self, job: Job) -> Outcome:
         req = job.req
@@ -300,12 +331,25 @@ class Engine:
 
         if self.metrics:
             self.metrics.gauge_prefill(0, n)
-        res = self._generate(self.target, self.tokenizer, None, prompt_ids=req.prompt_ids, mode=self.mode,
-                             drafter=self.drafter, max_new_tokens=req.max_tokens, max_draft=self.max_draft,
-                             sampling=req.sampling, stop=req.stop, on_text=on_text, cancel=cancel,
-                             on_prefill=on_prefill, lookup_long_draft=self.lookup_long_draft, keep_leading_space=req.raw,
-                             **({"prefix_cache": self.prefix_cache} if self.prefix_cache is not None else {}),
-                             **self.drafter_options)
+        res = self._generate(
+            self.target,
+            self.tokenizer,
+            None,
+            prompt_ids=req.prompt_ids,
+            mode=self.mode,
+            drafter=self.drafter,
+            max_new_tokens=req.max_tokens,
+            max_draft=self.max_draft,
+            sampling=req.sampling,
+            stop=req.stop,
+            on_text=on_text,
+            cancel=cancel,
+            on_prefill=on_prefill,
+            lookup_long_draft=self.lookup_long_draft,
+            keep_leading_space=req.raw,
+            **({"prefix_cache": self.prefix_cache} if self.prefix_cache is not None else {}),
+            **self.drafter_options,
+        )
         if res.finish_reason == "length" and res.text.endswith("\ufffd"):
             # max_tokens cut a multi-byte character: its bytes are not text (never a trailing U+FFFD)
             res.text = res.text.rstrip("\ufffd")
@@ -337,6 +381,7 @@ class Plan:
 
     `parser` (chat.OutputParser or None for raw completions) turns text into events; the
     `responder` turns events into the dialect's body or stream frames."""
+
     req: GenRequest
     stream: bool
     responder: object
@@ -386,13 +431,17 @@ def check_sampling(sp: SamplingParams) -> SamplingParams:
         raise ApiError(400, str(e)) from None
     needs_sampler = not sp.greedy or sp.presence_penalty or sp.frequency_penalty
     if needs_sampler and not sampled_decoding_available():
-        raise ApiError(400, "temperature > 0 and presence/frequency penalties need the sampling decoder, which "
-                       "this build lacks: send temperature 0 without penalties")
+        raise ApiError(
+            400,
+            "temperature > 0 and presence/frequency penalties need the sampling decoder, which "
+            "this build lacks: send temperature 0 without penalties",
+        )
     return sp
 
 
-def build_sampling(f, engine: Engine, *, temp_hi: float = 2.0, penalties: bool = True, logprobs: bool = False,
-                   top_logprobs: int = 0) -> SamplingParams:
+def build_sampling(
+    f, engine: Engine, *, temp_hi: float = 2.0, penalties: bool = True, logprobs: bool = False, top_logprobs: int = 0
+) -> SamplingParams:
     """SamplingParams from a request's fields (validators.Fields), over the server's defaults."""
     d = engine.default_sampling
     top_k = f.int("top_k", None, lo=-1, hi=1 << 30)
@@ -402,10 +451,14 @@ def build_sampling(f, engine: Engine, *, temp_hi: float = 2.0, penalties: bool =
         top_p=f.num("top_p", d.top_p, lo=0.0, hi=1.0, lo_open=True),
         top_k=d.top_k if top_k is None else max(top_k, 0),  # -1 = off, as in vLLM
         min_p=f.num("min_p", d.min_p, lo=0.0, hi=1.0),
-        presence_penalty=f.num("presence_penalty", d.presence_penalty, lo=-2.0, hi=2.0) if penalties
+        presence_penalty=f.num("presence_penalty", d.presence_penalty, lo=-2.0, hi=2.0)
+        if penalties
         else d.presence_penalty,
-        frequency_penalty=f.num("frequency_penalty", d.frequency_penalty, lo=-2.0, hi=2.0) if penalties
+        frequency_penalty=f.num("frequency_penalty", d.frequency_penalty, lo=-2.0, hi=2.0)
+        if penalties
         else d.frequency_penalty,
         seed=d.seed if seed is None or seed == -1 else seed,  # -1 = unseeded, as in llama.cpp
-        logprobs=logprobs, top_logprobs=top_logprobs)
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
     return check_sampling(sp)

@@ -40,8 +40,16 @@ POLL_S = 0.05  # how often a waiting handler checks its client
 
 
 class Config:
-    def __init__(self, *, api_key: str | None = None, max_body: int = 32 << 20, idle_timeout: float = 120.0,
-                 keepalive_s: float = 15.0, max_connections: int = 128, loopback: bool = True):
+    def __init__(
+        self,
+        *,
+        api_key: str | None = None,
+        max_body: int = 32 << 20,
+        idle_timeout: float = 120.0,
+        keepalive_s: float = 15.0,
+        max_connections: int = 128,
+        loopback: bool = True,
+    ):
         self.api_key = api_key or None
         self.max_body = max_body
         self.idle_timeout = idle_timeout
@@ -60,8 +68,13 @@ class Config:
 
 
 GET_ROUTES = {"/": "index", "/health": "health", "/metrics": "metrics", "/v1/models": "models"}
-POST_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/messages": "messages",
-               "/v1/messages/count_tokens": "count_tokens", "/v1/responses": "responses"}
+POST_ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+    "/v1/responses": "responses",
+}
 SIMPLE_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 
 
@@ -117,8 +130,7 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             self.route_path = normalize_path(getattr(self, "path", "/") or "/")
         except Exception:
             self.route_path = "/"
-        self._send_json(code, self._dialect().error_body(ApiError(code, message or "bad request")),
-                        route="protocol")
+        self._send_json(code, self._dialect().error_body(ApiError(code, message or "bad request")), route="protocol")
 
     def send_response(self, code, message=None):
         super().send_response(code, message)
@@ -214,8 +226,14 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
         if n > self.server.config.max_body:  # refuse before the client sends the body
             self.route_path = normalize_path(self.path)
             self.close_connection = True
-            self._send_json(413, self._dialect().error_body(ApiError(
-                413, f"the request body is {n} bytes; the limit is {self.server.config.max_body}", "too_large")))
+            self._send_json(
+                413,
+                self._dialect().error_body(
+                    ApiError(
+                        413, f"the request body is {n} bytes; the limit is {self.server.config.max_body}", "too_large"
+                    )
+                ),
+            )
             return False
         return super().handle_expect_100()
 
@@ -224,8 +242,11 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
         self.headers_sent = False
         self.route_path = normalize_path(self.path)
         self.route_name = None
-        self.body_pending = method in ("POST", "PUT", "PATCH") or bool(self.headers.get("Content-Length")) or \
-            "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+        self.body_pending = (
+            method in ("POST", "PUT", "PATCH")
+            or bool(self.headers.get("Content-Length"))
+            or "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+        )
         try:
             self._route(method)
         except ClientGone:
@@ -264,8 +285,11 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return self._record(None, 204)
-        get_name = GET_ROUTES.get(path) or ("model" if path.startswith("/v1/models/") else None) or \
-            ("response" if path.startswith("/v1/responses/") else None)
+        get_name = (
+            GET_ROUTES.get(path)
+            or ("model" if path.startswith("/v1/models/") else None)
+            or ("response" if path.startswith("/v1/responses/") else None)
+        )
         post_name = POST_ROUTES.get(path)
         if method in ("GET", "HEAD") and get_name:
             self.route_name = {"model": "models", "response": "responses"}.get(get_name, get_name)
@@ -276,10 +300,13 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             raise ApiError(405, f"{method} is not allowed on {path}: use {allowed}", headers={"Allow": allowed})
         else:
             shown = unquote(urlsplit(self.path).path) or "/"
-            raise ApiError(404, f"unknown route {method} {shown}: this server answers /v1/chat/completions, "
-                           "/v1/completions, /v1/responses, /v1/models, /v1/messages, /v1/messages/count_tokens, "
-                           "/health, /metrics",
-                           "not_found")
+            raise ApiError(
+                404,
+                f"unknown route {method} {shown}: this server answers /v1/chat/completions, "
+                "/v1/completions, /v1/responses, /v1/models, /v1/messages, /v1/messages/count_tokens, "
+                "/health, /metrics",
+                "not_found",
+            )
         if method == "POST":
             self._check_content_type()
             body = parse_json_body(self._read_body())
@@ -307,8 +334,12 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             return
         name = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
         if not is_loopback_host(name.strip().lower()):
-            raise ApiError(403, f"Host {host!r} is not a loopback name, and this server is bound to loopback "
-                           "(DNS-rebinding protection): connect to 127.0.0.1 or localhost", "permission")
+            raise ApiError(
+                403,
+                f"Host {host!r} is not a loopback name, and this server is bound to loopback "
+                "(DNS-rebinding protection): connect to 127.0.0.1 or localhost",
+                "permission",
+            )
 
     def _check_auth(self) -> None:
         cfg: Config = self.server.config
@@ -322,21 +353,36 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             cands.append(self.headers["x-api-key"].strip())
         if not cfg.key_ok(cands):
             what = "no API key was sent" if not cands else "the API key is not valid"
-            raise ApiError(401, f"{what}: send it as `Authorization: Bearer KEY` or `x-api-key: KEY`",
-                           "authentication", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                f"{what}: send it as `Authorization: Bearer KEY` or `x-api-key: KEY`",
+                "authentication",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     def _check_content_type(self) -> None:
         ctype = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if self.server.config.loopback and ctype in SIMPLE_TYPES:
-            raise ApiError(415, f"Content-Type {ctype!r} is not accepted: send the JSON body with "
-                           "`Content-Type: application/json`", "unsupported_media")
+            raise ApiError(
+                415,
+                f"Content-Type {ctype!r} is not accepted: send the JSON body with `Content-Type: application/json`",
+                "unsupported_media",
+            )
 
     # ------------------------------------------------------------------ routes
     def _get(self, name: str, path: str) -> None:
         engine: Engine = self.server.engine
         if name == "index":
-            return self._send_json(200, {"service": "mlx-dspark", "version": __version__, "model": engine.model_id,
-                                         "openai_base_url": "/v1", "anthropic_base_url": "/"})
+            return self._send_json(
+                200,
+                {
+                    "service": "mlx-dspark",
+                    "version": __version__,
+                    "model": engine.model_id,
+                    "openai_base_url": "/v1",
+                    "anthropic_base_url": "/",
+                },
+            )
         if name == "health":
             return self._send_json(200, self.server.health())
         if name == "metrics":
@@ -344,17 +390,21 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             text = self.server.metrics.render(busy=engine.busy, queue_depth=engine.queue_depth, prefix_cache=pc)
             return self._send_text(200, text, "text/plain; version=0.0.4; charset=utf-8")
         if path.startswith("/v1/responses/"):
-            return self._send_json(200, responses.get_response(engine, path[len("/v1/responses/"):]))
+            return self._send_json(200, responses.get_response(engine, path[len("/v1/responses/") :]))
         if path.startswith("/v1/models/"):
-            return self._send_json(200, openai.get_model(engine, path[len("/v1/models/"):], self.server.started))
+            return self._send_json(200, openai.get_model(engine, path[len("/v1/models/") :], self.server.started))
         return self._send_json(200, openai.list_models(engine, self.server.started))
 
     def _post(self, name: str, body: dict) -> None:
         engine: Engine = self.server.engine
         if name == "count_tokens":
             return self._send_json(200, anthropic.count_tokens(engine, body))
-        planner = {"chat": openai.plan_chat, "completion": openai.plan_completion,
-                   "messages": anthropic.plan_messages, "responses": responses.plan_responses}[name]
+        planner = {
+            "chat": openai.plan_chat,
+            "completion": openai.plan_completion,
+            "messages": anthropic.plan_messages,
+            "responses": responses.plan_responses,
+        }[name]
         plan = planner(engine, body)
         job = engine.submit(plan.req)
         self.server.track(+1)
@@ -531,9 +581,16 @@ class Server(ThreadingHTTPServer):
 
     def health(self) -> dict:
         e = self.engine
-        return {"status": "ok", "model": e.model_id, **e.describe(), "max_output_tokens": e.default_max_tokens,
-                "busy": e.busy, "queue_depth": e.queue_depth, "version": __version__,
-                "auth": self.config.api_key is not None}
+        return {
+            "status": "ok",
+            "model": e.model_id,
+            **e.describe(),
+            "max_output_tokens": e.default_max_tokens,
+            "busy": e.busy,
+            "queue_depth": e.queue_depth,
+            "version": __version__,
+            "auth": self.config.api_key is not None,
+        }
 
     def process_request(self, request, client_address):
         with self._active_lock:
@@ -542,11 +599,11 @@ class Server(ThreadingHTTPServer):
                 self._active += 1
         if over:  # answer, never drop: a short 503 in the OpenAI envelope, then close
             try:
-                body = dumps(openai.error_body(ApiError(503, "too many open connections: retry shortly",
-                                                        "overloaded")))
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                                % (len(body), body))
+                body = dumps(openai.error_body(ApiError(503, "too many open connections: retry shortly", "overloaded")))
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -564,13 +621,28 @@ class Server(ThreadingHTTPServer):
         log.debug("connection error from %s:\n%s", client_address, traceback.format_exc())
 
 
-def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 8080, *, api_key: str | None = None,
-                max_body: int = 32 << 20, idle_timeout: float = 120.0, keepalive_s: float = 15.0,
-                max_connections: int = 128, metrics: Metrics | None = None) -> Server:
+def make_server(
+    engine: Engine,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    *,
+    api_key: str | None = None,
+    max_body: int = 32 << 20,
+    idle_timeout: float = 120.0,
+    keepalive_s: float = 15.0,
+    max_connections: int = 128,
+    metrics: Metrics | None = None,
+) -> Server:
     """Bind (port 0 picks a free port). The caller runs serve_forever() and starts the engine."""
     if metrics is None:
         metrics = engine.metrics or Metrics(model=engine.model_id, mode=engine.resolved_mode, version=__version__)
     engine.metrics = metrics
-    cfg = Config(api_key=api_key, max_body=max_body, idle_timeout=idle_timeout, keepalive_s=keepalive_s,
-                 max_connections=max_connections, loopback=is_loopback_host(host.lower()))
+    cfg = Config(
+        api_key=api_key,
+        max_body=max_body,
+        idle_timeout=idle_timeout,
+        keepalive_s=keepalive_s,
+        max_connections=max_connections,
+        loopback=is_loopback_host(host.lower()),
+    )
     return Server((host, port), engine, cfg, metrics)

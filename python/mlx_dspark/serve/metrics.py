@@ -131,9 +131,11 @@ class Metrics:
         head("mlx_dspark_busy", "gauge", "1 while the engine is generating.")
         L.append(f"mlx_dspark_busy {int(busy)}")
         if prefix_cache is not None:
-            for key, text in (("hits", "Prompts that reused a cached prefix."),
-                              ("misses", "Prompts that found no cached prefix."),
-                              ("reused_tokens", "Prompt tokens taken from the prefix cache instead of prefilled.")):
+            for key, text in (
+                ("hits", "Prompts that reused a cached prefix."),
+                ("misses", "Prompts that found no cached prefix."),
+                ("reused_tokens", "Prompt tokens taken from the prefix cache instead of prefilled."),
+            ):
                 head(f"mlx_dspark_prefix_cache_{key}_total", "counter", text)
                 L.append(f"mlx_dspark_prefix_cache_{key}_total {prefix_cache.get(key, 0)}")
             head("mlx_dspark_prefix_cache_entries", "gauge", "Conversations kept, by tier.")

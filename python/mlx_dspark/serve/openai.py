@@ -35,29 +35,40 @@ def error_body(err: ApiError) -> dict:
 
 def _refuse(prompt: int, asked: int | None, window: int) -> ApiError:
     if asked is None:
-        msg = (f"This model's maximum context length is {window} tokens. However, your messages resulted in "
-               f"{prompt} tokens. Please reduce the length of the messages.")
+        msg = (
+            f"This model's maximum context length is {window} tokens. However, your messages resulted in "
+            f"{prompt} tokens. Please reduce the length of the messages."
+        )
     else:
-        msg = (f"This model's maximum context length is {window} tokens. However, you requested "
-               f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). "
-               "Please reduce the length of the messages or completion.")
+        msg = (
+            f"This model's maximum context length is {window} tokens. However, you requested "
+            f"{prompt + asked} tokens ({prompt} in the messages, {asked} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
     return ApiError(400, msg, param="messages", code="context_length_exceeded")
 
 
 def _refuse_completion(prompt: int, asked: int | None, window: int) -> ApiError:
     """The legacy completions endpoint's own wording (it names the prompt, not messages)."""
     asked = asked or 0
-    msg = (f"This model's maximum context length is {window} tokens, however you requested {prompt + asked} "
-           f"tokens ({prompt} in your prompt; {asked} for the completion). Please reduce your prompt; or "
-           "completion length.")
+    msg = (
+        f"This model's maximum context length is {window} tokens, however you requested {prompt + asked} "
+        f"tokens ({prompt} in your prompt; {asked} for the completion). Please reduce your prompt; or "
+        "completion length."
+    )
     return ApiError(400, msg, param="prompt", code="context_length_exceeded")
 
 
 def _model(engine: Engine, f: Fields) -> str:
     name = f.str("model", required=True)
     if not engine.accepts_model(name):
-        raise ApiError(404, f"The model `{name}` does not exist. This server serves `{engine.model_id}` "
-                       "(see GET /v1/models).", "not_found", param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{name}` does not exist. This server serves `{engine.model_id}` (see GET /v1/models).",
+            "not_found",
+            param="model",
+            code="model_not_found",
+        )
     return name
 
 
@@ -78,15 +89,35 @@ def _nonempty(why):
 def _response_format(v):
     if isinstance(v, dict) and v.get("type") in (None, "text"):
         return None
-    return "only {\"type\": \"text\"} is supported (no JSON mode or schema-constrained decoding)"
+    return 'only {"type": "text"} is supported (no JSON mode or schema-constrained decoding)'
 
 
-CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p",
-               "stop", "seed", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "tools",
-               "tool_choice", "parallel_tool_calls", "stream", "stream_options", "enable_thinking",
-               "chat_template_kwargs"}
+CHAT_FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "stream",
+    "stream_options",
+    "enable_thinking",
+    "chat_template_kwargs",
+}
 CHAT_REFUSED = {
-    "n": _not_one("n"), "response_format": _response_format,
+    "n": _not_one("n"),
+    "response_format": _response_format,
     "logit_bias": _nonempty("logit_bias is not supported"),
     "functions": _nonempty("the legacy `functions` field is not supported: use `tools`"),
     "function_call": _nonempty("the legacy `function_call` field is not supported: use `tool_choice`"),
@@ -95,11 +126,27 @@ CHAT_REFUSED = {
     "prediction": _nonempty("predicted outputs are not supported"),
     "web_search_options": _nonempty("web search is not supported"),
 }
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed",
-                     "presence_penalty", "frequency_penalty", "logprobs", "stream", "stream_options"}
+COMPLETION_FIELDS = {
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "stream",
+    "stream_options",
+}
 COMPLETION_REFUSED = {
-    "n": _not_one("n"), "best_of": _not_one("best_of"),
-    "echo": _nonempty("echo is not supported"), "suffix": _nonempty("suffix (insertion) is not supported"),
+    "n": _not_one("n"),
+    "best_of": _not_one("best_of"),
+    "echo": _nonempty("echo is not supported"),
+    "suffix": _nonempty("suffix (insertion) is not supported"),
     "logit_bias": _nonempty("logit_bias is not supported"),
 }
 
@@ -150,8 +197,13 @@ def _tool_calls(v, where: str) -> list[dict]:
                 pass  # the template renders the string as given
         elif not isinstance(args, dict):
             raise invalid(f"`{w}.function.arguments` must be a JSON string, got {type_name(args)}", param=w)
-        out.append({"id": f.str("id", "") or new_id("call_"), "type": "function",
-                    "function": {"name": name, "arguments": args}})
+        out.append(
+            {
+                "id": f.str("id", "") or new_id("call_"),
+                "type": "function",
+                "function": {"name": name, "arguments": args},
+            }
+        )
     return out
 
 
@@ -220,8 +272,10 @@ def _tool_choice(v) -> str:
         return v or "auto"
     if isinstance(v, dict) and v.get("type") == "function" and isinstance((v.get("function") or {}).get("name"), str):
         return "required"
-    raise invalid("`tool_choice` must be 'none', 'auto', 'required' or {\"type\": \"function\", "
-                  "\"function\": {\"name\": ...}}", param="tool_choice")
+    raise invalid(
+        '`tool_choice` must be \'none\', \'auto\', \'required\' or {"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
 
 
 def _logprob_entry(tokenizer, token: int, lp: float) -> dict:
@@ -282,8 +336,9 @@ def plan_chat(engine: Engine, body: dict) -> Plan:
     text = chat.render(engine.tokenizer, messages, tools=tools, enable_thinking=thinking, template_kwargs=kwargs)
     ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
     budget = resolve_max_tokens(engine, n, max_tokens, _refuse)
-    parser = chat.OutputParser(in_reasoning=chat.starts_in_reasoning(text), tools=tools,
-                               syntaxes=chat.tool_syntaxes(engine.tokenizer))
+    parser = chat.OutputParser(
+        in_reasoning=chat.starts_in_reasoning(text), tools=tools, syntaxes=chat.tool_syntaxes(engine.tokenizer)
+    )
     resp = ChatResponder(engine, model, ignored, parallel=parallel, usage_chunk=usage_chunk)
     return Plan(GenRequest(ids, budget, sampling, stop, api="openai"), stream, resp, parser)
 
@@ -299,10 +354,13 @@ class ChatResponder:
     def _usage(self, job: Job) -> dict:
         out = job.outcome
         p, n = out.result.prompt_tokens, out.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n,
-                "prompt_tokens_details": {"cached_tokens": getattr(out.result, "cached_tokens", 0)},
-                "completion_tokens_details": {
-                    "reasoning_tokens": reasoning_tokens(self.engine, job, self.saw_reasoning)}}
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": n,
+            "total_tokens": p + n,
+            "prompt_tokens_details": {"cached_tokens": getattr(out.result, "cached_tokens", 0)},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens(self.engine, job, self.saw_reasoning)},
+        }
 
     def _finish_reason(self, job: Job) -> str:
         if self.n_calls:
@@ -321,21 +379,43 @@ class ChatResponder:
         kept = []
         for c in calls:
             if self._keep_call():
-                kept.append({"id": new_id("call_"), "type": "function",
-                             "function": {"name": c.name, "arguments": c.arguments_json()}})
+                kept.append(
+                    {
+                        "id": new_id("call_"),
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": c.arguments_json()},
+                    }
+                )
                 self.n_calls += 1
         if kept:
             msg["tool_calls"] = kept
-        choice = {"index": 0, "message": msg, "logprobs": chat_logprobs(self.engine.tokenizer, job.outcome.logprobs),
-                  "finish_reason": self._finish_reason(job)}
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self._usage(job), "system_fingerprint": None,
-                "x_mlx_dspark": x_block(self.engine, job, self.ignored)}
+        choice = {
+            "index": 0,
+            "message": msg,
+            "logprobs": chat_logprobs(self.engine.tokenizer, job.outcome.logprobs),
+            "finish_reason": self._finish_reason(job),
+        }
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(job),
+            "system_fingerprint": None,
+            "x_mlx_dspark": x_block(self.engine, job, self.ignored),
+        }
 
     def _chunk(self, delta: dict, finish=None, logprobs=None, **extra) -> bytes:
-        obj = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-               "system_fingerprint": None,
-               "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}], **extra}
+        obj = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            **extra,
+        }
         if self.usage_chunk:
             obj["usage"] = None
         return sse(obj)
@@ -352,8 +432,12 @@ class ChatResponder:
                 self.saw_reasoning = True
                 out.append(self._chunk({"reasoning_content": payload}))
             elif kind == "tool_call" and self._keep_call():
-                call = {"index": self.n_calls, "id": new_id("call_"), "type": "function",
-                        "function": {"name": payload.name, "arguments": payload.arguments_json()}}
+                call = {
+                    "index": self.n_calls,
+                    "id": new_id("call_"),
+                    "type": "function",
+                    "function": {"name": payload.name, "arguments": payload.arguments_json()},
+                }
                 out.append(self._chunk({"tool_calls": [call]}))
                 self.n_calls += 1
         return out
@@ -362,9 +446,19 @@ class ChatResponder:
         lp = chat_logprobs(self.engine.tokenizer, job.outcome.logprobs)
         out = [self._chunk({}, self._finish_reason(job), lp, x_mlx_dspark=x_block(self.engine, job, self.ignored))]
         if self.usage_chunk:
-            out.append(sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                            "model": self.model, "system_fingerprint": None, "choices": [],
-                            "usage": self._usage(job)}))
+            out.append(
+                sse(
+                    {
+                        "id": self.id,
+                        "object": "chat.completion.chunk",
+                        "created": self.created,
+                        "model": self.model,
+                        "system_fingerprint": None,
+                        "choices": [],
+                        "usage": self._usage(job),
+                    }
+                )
+            )
         out.append(sse("[DONE]"))
         return out
 
@@ -399,8 +493,11 @@ def plan_completion(engine: Engine, body: dict) -> Plan:
     elif prompt is None:
         raise invalid("`prompt` is required", param="prompt")
     else:
-        raise invalid("`prompt` must be a string or an array of token ids (batches of several prompts are not "
-                      "supported: send one request per prompt)", param="prompt")
+        raise invalid(
+            "`prompt` must be a string or an array of token ids (batches of several prompts are not "
+            "supported: send one request per prompt)",
+            param="prompt",
+        )
     if not ids:
         raise invalid("`prompt` encodes to no tokens", param="prompt")
     n_lp = f.int("logprobs", None, lo=0, hi=20)
@@ -433,24 +530,42 @@ class CompletionResponder:
             tokens.append(s)
             offsets.append(pos)
             pos += len(s)
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{chat.decode_token(tok, t): lp for t, lp in e.get("top", [])} for e in entries],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{chat.decode_token(tok, t): lp for t, lp in e.get("top", [])} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _finish_reason(self, job: Job) -> str:
         return "length" if job.outcome.result.finish_reason == "length" else "stop"
 
     def body(self, job: Job, events) -> dict:
         text = "".join(p for _, p in events)
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"text": text, "index": 0, "logprobs": self._logprobs(job),
-                             "finish_reason": self._finish_reason(job)}],
-                "usage": self._usage(job), "system_fingerprint": None,
-                "x_mlx_dspark": x_block(self.engine, job, self.ignored)}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {"text": text, "index": 0, "logprobs": self._logprobs(job), "finish_reason": self._finish_reason(job)}
+            ],
+            "usage": self._usage(job),
+            "system_fingerprint": None,
+            "x_mlx_dspark": x_block(self.engine, job, self.ignored),
+        }
 
     def _chunk(self, text: str, finish=None, logprobs=None, **extra) -> bytes:
-        return sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                    "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}], **extra})
+        return sse(
+            {
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
+                **extra,
+            }
+        )
 
     def stream_start(self) -> list[bytes]:
         return []
@@ -459,11 +574,24 @@ class CompletionResponder:
         return [self._chunk(p) for _, p in events if p]
 
     def stream_finish(self, job: Job) -> list[bytes]:
-        out = [self._chunk("", self._finish_reason(job), self._logprobs(job),
-                           x_mlx_dspark=x_block(self.engine, job, self.ignored))]
+        out = [
+            self._chunk(
+                "", self._finish_reason(job), self._logprobs(job), x_mlx_dspark=x_block(self.engine, job, self.ignored)
+            )
+        ]
         if self.usage_chunk:
-            out.append(sse({"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                            "choices": [], "usage": self._usage(job)}))
+            out.append(
+                sse(
+                    {
+                        "id": self.id,
+                        "object": "text_completion",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": self._usage(job),
+                    }
+                )
+            )
         out.append(sse("[DONE]"))
         return out
 
@@ -473,8 +601,13 @@ class CompletionResponder:
 
 # ----------------------------------------------------------------------------- /v1/models
 def model_card(engine: Engine, created: int) -> dict:
-    return {"id": engine.model_id, "object": "model", "created": created, "owned_by": "mlx-dspark",
-            "x_mlx_dspark": engine.describe()}
+    return {
+        "id": engine.model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "mlx-dspark",
+        "x_mlx_dspark": engine.describe(),
+    }
 
 
 def list_models(engine: Engine, created: int) -> dict:
@@ -483,6 +616,11 @@ def list_models(engine: Engine, created: int) -> dict:
 
 def get_model(engine: Engine, name: str, created: int) -> dict:
     if not engine.accepts_model(name):
-        raise ApiError(404, f"The model `{name}` does not exist. This server serves `{engine.model_id}`.",
-                       "not_found", param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{name}` does not exist. This server serves `{engine.model_id}`.",
+            "not_found",
+            param="model",
+            code="model_not_found",
+        )
     return model_card(engine, created)

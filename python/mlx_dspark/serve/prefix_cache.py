@@ -38,9 +38,17 @@ def model_key(target) -> str:
     cfg = getattr(target, "config", {}) or {}
     embed = getattr(target, "embed_tokens", None)
     dtype = str(getattr(getattr(embed, "weight", None), "dtype", "")) if embed is not None else ""
-    parts = [str(getattr(target, "source", "") or target.name), target.model_type, str(target.hidden_size),
-             str(target.num_layers), str(target.vocab_size), dtype, json.dumps(cfg.get("quantization"), sort_keys=True),
-             str(getattr(target, "kv_bits", None)), mx.__version__]
+    parts = [
+        str(getattr(target, "source", "") or target.name),
+        target.model_type,
+        str(target.hidden_size),
+        str(target.num_layers),
+        str(target.vocab_size),
+        dtype,
+        json.dumps(cfg.get("quantization"), sort_keys=True),
+        str(getattr(target, "kv_bits", None)),
+        mx.__version__,
+    ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
@@ -51,8 +59,10 @@ def unsupported_reason(target) -> str | None:
     kinds = {type(c).__name__ for c in target.make_cache()}
     if kinds == {KVCache.__name__}:
         return None
-    return (f"the prefix cache's trim mode needs plain KV caches; this target has {', '.join(sorted(kinds))} "
-            "(checkpoint mode for these is not built yet)")
+    return (
+        f"the prefix cache's trim mode needs plain KV caches; this target has {', '.join(sorted(kinds))} "
+        "(checkpoint mode for these is not built yet)"
+    )
 
 
 @dataclass
@@ -66,7 +76,9 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (*self.keys, *self.values)) + (int(self.hidden.nbytes) if self.hidden is not None else 0)
+        return sum(int(a.nbytes) for a in (*self.keys, *self.values)) + (
+            int(self.hidden.nbytes) if self.hidden is not None else 0
+        )
 
     @property
     def digest(self) -> str:
@@ -142,8 +154,7 @@ class PrefixCache:
             self.stats["hits"] += 1
             self.stats["reused_tokens"] += n_best
             self._last = best.digest
-            return Hit(cache=self._restore(best, n_best), reused=n_best,
-                       hidden=best.hidden[:n_best] if taps else None)
+            return Hit(cache=self._restore(best, n_best), reused=n_best, hidden=best.hidden[:n_best] if taps else None)
 
     @staticmethod
     def _usable(tokens, entry_taps, has_hidden, prompt, taps) -> int:
@@ -182,9 +193,15 @@ class PrefixCache:
 
     def describe(self) -> dict:
         with self._lock:
-            return {"enabled": self.enabled, **({"off": self.off_reason} if self.off_reason else {}),
-                    "slots": self.slots, "in_ram": len(self.ram), "ram_mb": round(sum(e.nbytes for e in self.ram) / 2**20, 2),
-                    "on_disk": len(self.disk), **self.stats}
+            return {
+                "enabled": self.enabled,
+                **({"off": self.off_reason} if self.off_reason else {}),
+                "slots": self.slots,
+                "in_ram": len(self.ram),
+                "ram_mb": round(sum(e.nbytes for e in self.ram) / 2**20, 2),
+                "on_disk": len(self.disk),
+                **self.stats,
+            }
 
     # ---------------------------------------------------------------- internals
     def _restore(self, e: Entry, n: int) -> list:
@@ -200,8 +217,9 @@ class PrefixCache:
     def _insert(self, entry: Entry) -> None:
         self.ram = [e for e in self.ram if e.tokens != entry.tokens]
         self.ram.insert(0, entry)
-        while len(self.ram) > self.slots or (self.max_bytes and len(self.ram) > 1
-                                             and sum(e.nbytes for e in self.ram) > self.max_bytes):
+        while len(self.ram) > self.slots or (
+            self.max_bytes and len(self.ram) > 1 and sum(e.nbytes for e in self.ram) > self.max_bytes
+        ):
             self._spill(self.ram.pop())
 
     def _spill(self, e: Entry) -> None:
@@ -211,8 +229,13 @@ class PrefixCache:
         arrays = {f"k.{i}": k for i, k in enumerate(e.keys)} | {f"v.{i}": v for i, v in enumerate(e.values)}
         if e.hidden is not None:
             arrays["hidden"] = e.hidden
-        meta = {"format": FORMAT, "model_key": self.key, "tokens": json.dumps(list(e.tokens)),
-                "taps": json.dumps(list(e.taps)), "layers": str(len(e.keys))}
+        meta = {
+            "format": FORMAT,
+            "model_key": self.key,
+            "tokens": json.dumps(list(e.tokens)),
+            "taps": json.dumps(list(e.taps)),
+            "layers": str(len(e.keys)),
+        }
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".safetensors")
         os.close(fd)
         try:

@@ -24,19 +24,42 @@ from .openai import _model, reasoning_tokens
 from .sse import new_id, now, sse
 from .validate import ApiError, Fields, check_fields, invalid, type_name
 
-FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
-          "temperature", "top_p", "top_k", "min_p", "seed", "stream", "previous_response_id", "store", "text",
-          "metadata", "reasoning"}
-REFUSED = {"background": lambda v: "background responses are not supported" if v else None,
-           "conversation": lambda v: "conversations are not supported: use previous_response_id" if v else None,
-           "prompt": lambda v: "prompt templates are not supported" if v else None}
+FIELDS = {
+    "model",
+    "input",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stream",
+    "previous_response_id",
+    "store",
+    "text",
+    "metadata",
+    "reasoning",
+}
+REFUSED = {
+    "background": lambda v: "background responses are not supported" if v else None,
+    "conversation": lambda v: "conversations are not supported: use previous_response_id" if v else None,
+    "prompt": lambda v: "prompt templates are not supported" if v else None,
+}
 STORE_SIZE = 256
 
 
 def _refuse(prompt: int, asked: int | None, window: int) -> ApiError:
-    return ApiError(400, "Your input exceeds the context window of this model. Please adjust your input and try "
-                    f"again. ({prompt} input tokens + {asked or 0} max_output_tokens > {window})", param="input",
-                    code="context_length_exceeded")
+    return ApiError(
+        400,
+        "Your input exceeds the context window of this model. Please adjust your input and try "
+        f"again. ({prompt} input tokens + {asked or 0} max_output_tokens > {window})",
+        param="input",
+        code="context_length_exceeded",
+    )
 
 
 class Store:
@@ -70,8 +93,7 @@ def _parts_text(content, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(f"`{where}` must be a string or an array of content parts, got {type_name(content)}",
-                      param=where)
+        raise invalid(f"`{where}` must be a string or an array of content parts, got {type_name(content)}", param=where)
     out = []
     for i, p in enumerate(content):
         w = f"{where}[{i}]"
@@ -95,8 +117,12 @@ def normalize_input(v, prior: list[dict]) -> list[dict]:
     if isinstance(v, str):
         return prior + [{"role": "user", "content": v}]
     if not isinstance(v, list):
-        raise invalid("`input` is required" if v is None else f"`input` must be a string or an array of items, "
-                      f"got {type_name(v)}", param="input")
+        raise invalid(
+            "`input` is required"
+            if v is None
+            else f"`input` must be a string or an array of items, got {type_name(v)}",
+            param="input",
+        )
     out = [dict(m) for m in prior]
     names = {tc["id"]: tc["function"]["name"] for m in out for tc in m.get("tool_calls", [])}
     for i, item in enumerate(v):
@@ -136,8 +162,10 @@ def normalize_input(v, prior: list[dict]) -> list[dict]:
         elif kind == "reasoning":
             continue  # the model's own earlier reasoning is not fed back
         else:
-            raise invalid(f"`{w}.type` {kind!r} is not supported: use message, function_call or "
-                          "function_call_output items", param=w)
+            raise invalid(
+                f"`{w}.type` {kind!r} is not supported: use message, function_call or function_call_output items",
+                param=w,
+            )
     if not out or all(m["role"] == "system" for m in out):
         raise invalid("`input` must hold at least one message", param="input")
     return out
@@ -154,8 +182,7 @@ def normalize_tools(v) -> list[dict] | None:
         if not isinstance(t, dict):
             raise invalid(f"`{w}` must be an object, got {type_name(t)}", param=w)
         if t.get("type") != "function":
-            raise invalid(f"`{w}.type` {t.get('type')!r} is a hosted tool; only function tools are supported",
-                          param=w)
+            raise invalid(f"`{w}.type` {t.get('type')!r} is a hosted tool; only function tools are supported", param=w)
         f = Fields(t, w + ".")
         spec = {"name": f.str("name", required=True, nonempty=True, max_len=256)}
         if f.has("description"):
@@ -170,8 +197,10 @@ def _tool_choice(v) -> str:
         return v or "auto"
     if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("name"), str):
         return "required"
-    raise invalid("`tool_choice` must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
-                  param="tool_choice")
+    raise invalid(
+        "`tool_choice` must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+        param="tool_choice",
+    )
 
 
 def _text_format(v) -> None:
@@ -179,8 +208,10 @@ def _text_format(v) -> None:
     if v is not None and not isinstance(v, dict):
         raise invalid(f"`text` must be an object, got {type_name(v)}", param="text")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in (None, "text")):
-        raise invalid("`text.format`: only {\"type\": \"text\"} is supported (no JSON mode or schema-constrained "
-                      "decoding)", param="text.format")
+        raise invalid(
+            '`text.format`: only {"type": "text"} is supported (no JSON mode or schema-constrained decoding)',
+            param="text.format",
+        )
 
 
 # ----------------------------------------------------------------------------- POST /v1/responses
@@ -193,8 +224,13 @@ def plan_responses(engine: Engine, body: dict) -> Plan:
     if prev_id:
         got = store_of(engine).get(prev_id)
         if got is None:
-            raise ApiError(404, f"Previous response with id '{prev_id}' not found.", "not_found",
-                           param="previous_response_id", code="previous_response_not_found")
+            raise ApiError(
+                404,
+                f"Previous response with id '{prev_id}' not found.",
+                "not_found",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
         prior = got[0]
     messages = normalize_input(body.get("input"), prior)
     instructions = f.str("instructions")
@@ -220,14 +256,25 @@ def plan_responses(engine: Engine, body: dict) -> Plan:
     text = chat.render(engine.tokenizer, messages, tools=tools, enable_thinking=thinking)
     ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
     budget = resolve_max_tokens(engine, n, max_tokens, _refuse)
-    parser = chat.OutputParser(in_reasoning=chat.starts_in_reasoning(text), tools=tools,
-                               syntaxes=chat.tool_syntaxes(engine.tokenizer))
-    echo = {"instructions": instructions, "max_output_tokens": max_tokens, "previous_response_id": prev_id,
-            "parallel_tool_calls": parallel, "store": store, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "tool_choice": body.get("tool_choice") or "auto",
-            "tools": body.get("tools") or [], "metadata": f.dict("metadata", {}), "text": {"format": {"type": "text"}},
-            "reasoning": {"effort": reasoning.get("effort"), "summary": None}, "truncation": "disabled",
-            "user": None}
+    parser = chat.OutputParser(
+        in_reasoning=chat.starts_in_reasoning(text), tools=tools, syntaxes=chat.tool_syntaxes(engine.tokenizer)
+    )
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": max_tokens,
+        "previous_response_id": prev_id,
+        "parallel_tool_calls": parallel,
+        "store": store,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": body.get("tools") or [],
+        "metadata": f.dict("metadata", {}),
+        "text": {"format": {"type": "text"}},
+        "reasoning": {"effort": reasoning.get("effort"), "summary": None},
+        "truncation": "disabled",
+        "user": None,
+    }
     resp = ResponsesResponder(engine, model, ignored, echo, stored if store else None, parallel=parallel)
     return Plan(GenRequest(ids, budget, sampling, [], api="openai"), stream, resp, parser)
 
@@ -240,8 +287,7 @@ def get_response(engine: Engine, rid: str) -> dict:
 
 
 class ResponsesResponder:
-    def __init__(self, engine: Engine, model: str, ignored, echo: dict, stored: list[dict] | None, *,
-                 parallel: bool):
+    def __init__(self, engine: Engine, model: str, ignored, echo: dict, stored: list[dict] | None, *, parallel: bool):
         self.engine, self.model, self.ignored, self.echo = engine, model, ignored, echo
         self.stored, self.parallel = stored, parallel
         self.id, self.created = new_id("resp_"), now()
@@ -254,14 +300,27 @@ class ResponsesResponder:
     # ------------------------------------------------------------------ the response object
     def _usage(self, job: Job) -> dict:
         p, n = job.outcome.result.prompt_tokens, job.outcome.completion_tokens
-        return {"input_tokens": p, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n,
-                "output_tokens_details": {"reasoning_tokens": reasoning_tokens(self.engine, job, self.saw_reasoning)},
-                "total_tokens": p + n}
+        return {
+            "input_tokens": p,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": n,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens(self.engine, job, self.saw_reasoning)},
+            "total_tokens": p + n,
+        }
 
     def _object(self, status: str, job: Job | None = None) -> dict:
-        obj = {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
-               "incomplete_details": None, "model": self.model, "output": list(self.output), **self.echo,
-               "usage": None}
+        obj = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            "model": self.model,
+            "output": list(self.output),
+            **self.echo,
+            "usage": None,
+        }
         if job is not None and job.outcome is not None:
             obj["usage"] = self._usage(job)
             if status == "incomplete":
@@ -276,9 +335,15 @@ class ResponsesResponder:
         if self.stored is None:
             return
         text = "".join(c["text"] for it in self.output if it["type"] == "message" for c in it["content"])
-        calls = [{"id": it["call_id"], "type": "function",
-                  "function": {"name": it["name"], "arguments": json.loads(it["arguments"])}}
-                 for it in self.output if it["type"] == "function_call"]
+        calls = [
+            {
+                "id": it["call_id"],
+                "type": "function",
+                "function": {"name": it["name"], "arguments": json.loads(it["arguments"])},
+            }
+            for it in self.output
+            if it["type"] == "function_call"
+        ]
         msg = {"role": "assistant", "content": text}
         if calls:
             msg["tool_calls"] = calls
@@ -287,8 +352,14 @@ class ResponsesResponder:
     # ------------------------------------------------------------------ items
     def _call_item(self, call: chat.ToolCall) -> dict:
         self.n_calls += 1
-        return {"type": "function_call", "id": new_id("fc_"), "call_id": new_id("call_"), "name": call.name,
-                "arguments": call.arguments_json(), "status": "completed"}
+        return {
+            "type": "function_call",
+            "id": new_id("fc_"),
+            "call_id": new_id("call_"),
+            "name": call.name,
+            "arguments": call.arguments_json(),
+            "status": "completed",
+        }
 
     def _keep_call(self) -> bool:
         return self.parallel or self.n_calls == 0
@@ -297,16 +368,28 @@ class ResponsesResponder:
         for kind, payload in events:
             if kind == "reasoning":
                 self.saw_reasoning = True
-                self.output.append({"type": "reasoning", "id": new_id("rs_"), "summary": [],
-                                    "content": [{"type": "reasoning_text", "text": payload}]})
+                self.output.append(
+                    {
+                        "type": "reasoning",
+                        "id": new_id("rs_"),
+                        "summary": [],
+                        "content": [{"type": "reasoning_text", "text": payload}],
+                    }
+                )
             elif kind == "text":
                 last = self.output[-1] if self.output else None
                 if last is not None and last["type"] == "message":
                     last["content"][0]["text"] += payload
                 else:
-                    self.output.append({"type": "message", "id": new_id("msg_"), "status": "completed",
-                                        "role": "assistant", "content": [{"type": "output_text", "text": payload,
-                                                                          "annotations": [], "logprobs": []}]})
+                    self.output.append(
+                        {
+                            "type": "message",
+                            "id": new_id("msg_"),
+                            "status": "completed",
+                            "role": "assistant",
+                            "content": [{"type": "output_text", "text": payload, "annotations": [], "logprobs": []}],
+                        }
+                    )
             elif kind == "tool_call" and self._keep_call():
                 self.output.append(self._call_item(payload))
         out = self._object(self._status(job), job)
@@ -322,12 +405,23 @@ class ResponsesResponder:
         self._close(out)
         self.open = item
         idx = len(self.output)
-        out.append(self._ev("response.output_item.added", {"output_index": idx, "item": {**item, "content": [],
-                                                                                          "status": "in_progress"}}))
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} if item["type"] == "message" \
+        out.append(
+            self._ev(
+                "response.output_item.added",
+                {"output_index": idx, "item": {**item, "content": [], "status": "in_progress"}},
+            )
+        )
+        part = (
+            {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            if item["type"] == "message"
             else {"type": "reasoning_text", "text": ""}
-        out.append(self._ev("response.content_part.added", {"item_id": item["id"], "output_index": idx,
-                                                            "content_index": 0, "part": dict(part)}))
+        )
+        out.append(
+            self._ev(
+                "response.content_part.added",
+                {"item_id": item["id"], "output_index": idx, "content_index": 0, "part": dict(part)},
+            )
+        )
         item["content"] = [part]
 
     def _close(self, out: list) -> None:
@@ -336,15 +430,32 @@ class ResponsesResponder:
             return
         idx, part = len(self.output), item["content"][0]
         if item["type"] == "message":
-            out.append(self._ev("response.output_text.done", {"item_id": item["id"], "output_index": idx,
-                                                              "content_index": 0, "text": part["text"],
-                                                              "logprobs": []}))
+            out.append(
+                self._ev(
+                    "response.output_text.done",
+                    {
+                        "item_id": item["id"],
+                        "output_index": idx,
+                        "content_index": 0,
+                        "text": part["text"],
+                        "logprobs": [],
+                    },
+                )
+            )
             item["status"] = "completed"
         else:
-            out.append(self._ev("response.reasoning_text.done", {"item_id": item["id"], "output_index": idx,
-                                                                 "content_index": 0, "text": part["text"]}))
-        out.append(self._ev("response.content_part.done", {"item_id": item["id"], "output_index": idx,
-                                                           "content_index": 0, "part": part}))
+            out.append(
+                self._ev(
+                    "response.reasoning_text.done",
+                    {"item_id": item["id"], "output_index": idx, "content_index": 0, "text": part["text"]},
+                )
+            )
+        out.append(
+            self._ev(
+                "response.content_part.done",
+                {"item_id": item["id"], "output_index": idx, "content_index": 0, "part": part},
+            )
+        )
         out.append(self._ev("response.output_item.done", {"output_index": idx, "item": item}))
         self.output.append(item)
 
@@ -359,8 +470,9 @@ class ResponsesResponder:
                 want = "message" if kind == "text" else "reasoning"
                 if self.open is None or self.open["type"] != want:
                     if kind == "text":
-                        self._open_item({"type": "message", "id": new_id("msg_"), "status": "in_progress",
-                                         "role": "assistant"}, out)
+                        self._open_item(
+                            {"type": "message", "id": new_id("msg_"), "status": "in_progress", "role": "assistant"}, out
+                        )
                     else:
                         self.saw_reasoning = True
                         self._open_item({"type": "reasoning", "id": new_id("rs_"), "summary": []}, out)
@@ -368,17 +480,38 @@ class ResponsesResponder:
                 item["content"][0]["text"] += payload
                 name = "response.output_text.delta" if kind == "text" else "response.reasoning_text.delta"
                 extra = {"logprobs": []} if kind == "text" else {}
-                out.append(self._ev(name, {"item_id": item["id"], "output_index": idx, "content_index": 0,
-                                           "delta": payload, **extra}))
+                out.append(
+                    self._ev(
+                        name,
+                        {"item_id": item["id"], "output_index": idx, "content_index": 0, "delta": payload, **extra},
+                    )
+                )
             elif kind == "tool_call" and self._keep_call():
                 self._close(out)
                 item, idx = self._call_item(payload), len(self.output)
-                out.append(self._ev("response.output_item.added", {"output_index": idx, "item": {
-                    **item, "arguments": "", "status": "in_progress"}}))
-                out.append(self._ev("response.function_call_arguments.delta", {
-                    "item_id": item["id"], "output_index": idx, "delta": item["arguments"]}))
-                out.append(self._ev("response.function_call_arguments.done", {
-                    "item_id": item["id"], "output_index": idx, "name": item["name"], "arguments": item["arguments"]}))
+                out.append(
+                    self._ev(
+                        "response.output_item.added",
+                        {"output_index": idx, "item": {**item, "arguments": "", "status": "in_progress"}},
+                    )
+                )
+                out.append(
+                    self._ev(
+                        "response.function_call_arguments.delta",
+                        {"item_id": item["id"], "output_index": idx, "delta": item["arguments"]},
+                    )
+                )
+                out.append(
+                    self._ev(
+                        "response.function_call_arguments.done",
+                        {
+                            "item_id": item["id"],
+                            "output_index": idx,
+                            "name": item["name"],
+                            "arguments": item["arguments"],
+                        },
+                    )
+                )
                 out.append(self._ev("response.output_item.done", {"output_index": idx, "item": item}))
                 self.output.append(item)
         return out
@@ -389,8 +522,9 @@ class ResponsesResponder:
         status = self._status(job)
         obj = self._object(status, job)
         self._remember(obj)
-        out.append(self._ev("response.completed" if status == "completed" else "response.incomplete",
-                            {"response": obj}))
+        out.append(
+            self._ev("response.completed" if status == "completed" else "response.incomplete", {"response": obj})
+        )
         return out
 
     def stream_error(self, err: ApiError) -> list[bytes]:

@@ -10,8 +10,15 @@ import json
 import math
 from typing import Any
 
-_TYPE_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
-               int: "an integer", float: "a number", type(None): "null"}
+_TYPE_NAMES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    type(None): "null",
+}
 
 
 class ApiError(Exception):
@@ -19,8 +26,16 @@ class ApiError(Exception):
     invalid_request, authentication, permission, not_found, too_large, rate_limit, overloaded,
     server_error, context_length."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request", *, param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request",
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -95,8 +110,15 @@ class Fields:
             raise invalid(f"`{self._name(key)}` is required", param=self._name(key))
         return v
 
-    def str(self, key: str, default: str | None = None, *, required: bool = False, nonempty: bool = False,
-            max_len: int | None = None) -> str | None:
+    def str(
+        self,
+        key: str,
+        default: str | None = None,
+        *,
+        required: bool = False,
+        nonempty: bool = False,
+        max_len: int | None = None,
+    ) -> str | None:
         v = self._need(key, required)
         if v is None:
             return default
@@ -116,8 +138,15 @@ class Fields:
             raise invalid(f"`{self._name(key)}` must be a boolean, got {type_name(v)}", param=self._name(key))
         return v
 
-    def int(self, key: str, default: int | None = None, *, lo: int | None = None, hi: int | None = None,
-            required: bool = False) -> int | None:
+    def int(
+        self,
+        key: str,
+        default: int | None = None,
+        *,
+        lo: int | None = None,
+        hi: int | None = None,
+        required: bool = False,
+    ) -> int | None:
         v = self._need(key, required)
         if v is None:
             return default
@@ -128,8 +157,15 @@ class Fields:
         self._range(key, v, lo, hi)
         return v
 
-    def num(self, key: str, default: float | None = None, *, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> float | None:
+    def num(
+        self,
+        key: str,
+        default: float | None = None,
+        *,
+        lo: float | None = None,
+        hi: float | None = None,
+        lo_open: bool = False,
+    ) -> float | None:
         v = self.obj.get(key)
         if v is None:
             return default
@@ -145,11 +181,14 @@ class Fields:
         if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
             lo_s = "-inf" if lo is None else _fmt(lo)
             hi_s = "inf" if hi is None else _fmt(hi)
-            raise invalid(f"`{self._name(key)}` must be in {'(' if lo_open else '['}{lo_s}, {hi_s}], got {_fmt(v)}",
-                          param=self._name(key))
+            raise invalid(
+                f"`{self._name(key)}` must be in {'(' if lo_open else '['}{lo_s}, {hi_s}], got {_fmt(v)}",
+                param=self._name(key),
+            )
 
-    def list(self, key: str, default=None, *, required: bool = False, nonempty: bool = False,
-             max_len: int | None = None) -> list | None:
+    def list(
+        self, key: str, default=None, *, required: bool = False, nonempty: bool = False, max_len: int | None = None
+    ) -> list | None:
         v = self._need(key, required)
         if v is None:
             return default
@@ -158,8 +197,9 @@ class Fields:
         if nonempty and not v:
             raise invalid(f"`{self._name(key)}` must not be empty", param=self._name(key))
         if max_len is not None and len(v) > max_len:
-            raise invalid(f"`{self._name(key)}` has {len(v)} items; at most {max_len} are allowed",
-                          param=self._name(key))
+            raise invalid(
+                f"`{self._name(key)}` has {len(v)} items; at most {max_len} are allowed", param=self._name(key)
+            )
         return v
 
     def dict(self, key: str, default=None, *, required: bool = False) -> dict | None:
@@ -175,8 +215,9 @@ class Fields:
         if v is None:
             return default
         if not isinstance(v, str) or v not in choices:
-            raise invalid(f"`{self._name(key)}` must be one of {', '.join(map(repr, choices))}, got {v!r}",
-                          param=self._name(key))
+            raise invalid(
+                f"`{self._name(key)}` must be one of {', '.join(map(repr, choices))}, got {v!r}", param=self._name(key)
+            )
         return v
 
     def str_list(self, key: str, *, max_items: int = 16, allow_str: bool = False) -> list[str]:
@@ -189,8 +230,9 @@ class Fields:
             want = "a string or an array of strings" if allow_str else "an array of strings"
             raise invalid(f"`{self._name(key)}` must be {want}", param=self._name(key))
         if len(v) > max_items:
-            raise invalid(f"`{self._name(key)}` has {len(v)} items; at most {max_items} are allowed",
-                          param=self._name(key))
+            raise invalid(
+                f"`{self._name(key)}` has {len(v)} items; at most {max_items} are allowed", param=self._name(key)
+            )
         return [s for s in v if s]
 
 

@@ -1,10 +1,11 @@
 """What `distill` writes: the drafter's config and weights, the resumable training state, the
 compact export for shipping.
 
-Checkpoint = DeepSpec's layout (deepspec/modeling/dspark/*/config.py, build_draft_config): `config.json` built from the target's
-(text) config with DeepSpec's keys added, and `model.safetensors` with top-level tensor names
-(`fc.weight`, `layers.N...`, `markov_head...`, `confidence_head...`, `embed_tokens.weight`,
-`lm_head.weight`: frozen copies of the target's), bf16 like the released checkpoints. Architecture
+Checkpoint = DeepSpec's layout (deepspec/modeling/dspark/*/config.py, build_draft_config):
+`config.json` built from the target's (text) config with DeepSpec's keys added, and
+`model.safetensors` with top-level tensor names (`fc.weight`, `layers.N...`, `markov_head...`,
+`confidence_head...`, `embed_tokens.weight`, `lm_head.weight`: frozen copies of the target's),
+bf16 like the released checkpoints. Architecture
 `Qwen3DSparkModel` for every target; with `--kind dflash` the Markov and confidence heads are off
 (DeepSpec's DFlash packaging). models/checkpoints.py loads it 1:1 (`--drafter DIR`).
 
@@ -34,8 +35,17 @@ from ..models.drafter_backbone import BackboneConfig
 
 STATE_DIR = "train_state"
 # Target-config fields that describe the target's own depth/attention layout, not the drafter's.
-_DROP = ("layer_types", "sliding_window", "rope_scaling", "rope_theta", "quantization", "quantization_config",
-         "auto_map", "num_kv_shared_layers", "text_config")
+_DROP = (
+    "layer_types",
+    "sliding_window",
+    "rope_scaling",
+    "rope_theta",
+    "quantization",
+    "quantization_config",
+    "auto_map",
+    "num_kv_shared_layers",
+    "text_config",
+)
 
 
 def default_taps(num_layers: int, n: int = 5) -> list[int]:
@@ -58,11 +68,15 @@ def check_taps(taps, num_layers: int) -> list[int]:
         raise UserError("--taps is empty")
     for t in taps:
         if t == num_layers - 1:
-            raise UserError(f"tap layer {t} is the target's final layer: its output is not a DSpark/DFlash feature "
-                            f"(taps must be in 0..{num_layers - 2})")
+            raise UserError(
+                f"tap layer {t} is the target's final layer: its output is not a DSpark/DFlash feature "
+                f"(taps must be in 0..{num_layers - 2})"
+            )
         if not 0 <= t < num_layers - 1:
-            raise UserError(f"tap layer {t} is out of range for a target with {num_layers} layers "
-                            f"(taps must be in 0..{num_layers - 2})")
+            raise UserError(
+                f"tap layer {t} is out of range for a target with {num_layers} layers "
+                f"(taps must be in 0..{num_layers - 2})"
+            )
     if len(set(taps)) != len(taps):
         raise UserError(f"--taps has repeated layers: {taps}")
     return taps
@@ -75,8 +89,14 @@ def pick_mask_token(tokenizer, vocab_size: int) -> int:
     avoid = {getattr(hf, n, None) for n in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id")}
     avoid |= set(getattr(tokenizer, "eos_token_ids", None) or [])
     try:
-        probe = tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                                               {"role": "assistant", "content": "a"}], tokenize=True)
+        probe = tokenizer.apply_chat_template(
+            [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"},
+            ],
+            tokenize=True,
+        )
         avoid |= set(int(t) for t in probe)
     except Exception:
         pass
@@ -94,8 +114,18 @@ def text_config(config: dict) -> dict:
     return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
-def drafter_config(target, *, kind: str, layers: int, block_size: int, taps, mask_token_id: int,
-                   markov_rank: int, intermediate_size: int | None, num_anchors: int) -> dict:
+def drafter_config(
+    target,
+    *,
+    kind: str,
+    layers: int,
+    block_size: int,
+    taps,
+    mask_token_id: int,
+    markov_rank: int,
+    intermediate_size: int | None,
+    num_anchors: int,
+) -> dict:
     """The drafter's HF config.json: a copy of the target's text config, DeepSpec's keys on top."""
     tc = copy.deepcopy(text_config(target.config))
     for k in _DROP:
@@ -104,19 +134,33 @@ def drafter_config(target, *, kind: str, layers: int, block_size: int, taps, mas
     heads = int(tc.get("num_attention_heads") or max(H // 64, 1))
     theta = text_config(target.config).get("rope_theta") or 10000.0
     dspark = kind == "dspark"
-    tc.update({
-        "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "hidden_size": H,
-        "num_target_layers": target.num_layers, "num_hidden_layers": layers, "layer_types": ["full_attention"] * layers,
-        "block_size": block_size, "mask_token_id": mask_token_id, "target_layer_ids": list(taps),
-        "num_anchors": num_anchors, "tie_word_embeddings": False, "vocab_size": target.vocab_size,
-        "num_attention_heads": heads, "num_key_value_heads": int(tc.get("num_key_value_heads") or heads),
-        "head_dim": int(tc.get("head_dim") or H // heads),
-        "intermediate_size": int(intermediate_size or tc.get("intermediate_size") or 4 * H),
-        "rms_norm_eps": float(tc.get("rms_norm_eps") or 1e-6), "attention_bias": False,
-        "rope_parameters": {"rope_theta": float(theta), "rope_type": "default"},
-        "hidden_act": "silu", "dtype": "bfloat16",
-        "enable_confidence_head": dspark, "markov_rank": markov_rank if dspark else 0,
-    })
+    tc.update(
+        {
+            "architectures": ["Qwen3DSparkModel"],
+            "model_type": "qwen3",
+            "hidden_size": H,
+            "num_target_layers": target.num_layers,
+            "num_hidden_layers": layers,
+            "layer_types": ["full_attention"] * layers,
+            "block_size": block_size,
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": list(taps),
+            "num_anchors": num_anchors,
+            "tie_word_embeddings": False,
+            "vocab_size": target.vocab_size,
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(tc.get("num_key_value_heads") or heads),
+            "head_dim": int(tc.get("head_dim") or H // heads),
+            "intermediate_size": int(intermediate_size or tc.get("intermediate_size") or 4 * H),
+            "rms_norm_eps": float(tc.get("rms_norm_eps") or 1e-6),
+            "attention_bias": False,
+            "rope_parameters": {"rope_theta": float(theta), "rope_type": "default"},
+            "hidden_act": "silu",
+            "dtype": "bfloat16",
+            "enable_confidence_head": dspark,
+            "markov_rank": markov_rank if dspark else 0,
+        }
+    )
     tc.pop("torch_dtype", None)
     if dspark:
         tc["confidence_head_with_markov"] = markov_rank > 0
@@ -129,28 +173,56 @@ def spec_from_config(cfg: dict, path: Path) -> DrafterSpec:
     """The DrafterSpec our loader would build from this config (fresh weights, no files yet)."""
     H, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
     taps = tuple(cfg["target_layer_ids"])
-    b = BackboneConfig(style="qwen3", hidden_size=H, num_layers=cfg["num_hidden_layers"], num_heads=heads,
-                       num_kv_heads=cfg["num_key_value_heads"], head_dim=hd, intermediate_size=cfg["intermediate_size"],
-                       context_dim=len(taps) * H, rms_norm_eps=cfg["rms_norm_eps"],
-                       rope_theta=cfg["rope_parameters"]["rope_theta"],
-                       max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768))
+    b = BackboneConfig(
+        style="qwen3",
+        hidden_size=H,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=hd,
+        intermediate_size=cfg["intermediate_size"],
+        context_dim=len(taps) * H,
+        rms_norm_eps=cfg["rms_norm_eps"],
+        rope_theta=cfg["rope_parameters"]["rope_theta"],
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 32768),
+    )
     rank = int(cfg.get("markov_rank") or 0)
     conf = bool(cfg.get("enable_confidence_head"))
     packaging = "deepspec-dspark" if rank > 0 or conf else "deepspec-dflash"
     cap = cfg.get("final_logit_softcapping")
-    return DrafterSpec(packaging, "qwen3", path, str(path), cfg, b, cfg["vocab_size"], cfg["block_size"],
-                       cfg["mask_token_id"], taps, markov_rank=rank, confidence=conf,
-                       confidence_with_markov=bool(cfg.get("confidence_head_with_markov")) and conf and rank > 0,
-                       softcap=float(cap) if cap else None, num_target_layers=cfg["num_target_layers"])
+    return DrafterSpec(
+        packaging,
+        "qwen3",
+        path,
+        str(path),
+        cfg,
+        b,
+        cfg["vocab_size"],
+        cfg["block_size"],
+        cfg["mask_token_id"],
+        taps,
+        markov_rank=rank,
+        confidence=conf,
+        confidence_with_markov=bool(cfg.get("confidence_head_with_markov")) and conf and rank > 0,
+        softcap=float(cap) if cap else None,
+        num_target_layers=cfg["num_target_layers"],
+    )
 
 
 # ------------------------------------------------------------------------------ weights
 def target_matrices(target, dtype=mx.float32) -> tuple[mx.array, mx.array]:
     """(input embedding [V, H], output head [V, H]) of the target, dequantized, in `dtype`."""
+
     def dense(m) -> mx.array:
         if hasattr(m, "scales"):
-            return mx.dequantize(m.weight, m.scales, getattr(m, "biases", None), m.group_size, m.bits,
-                                 **({"mode": m.mode} if getattr(m, "mode", "affine") != "affine" else {}))
+            return mx.dequantize(
+                m.weight,
+                m.scales,
+                getattr(m, "biases", None),
+                m.group_size,
+                m.bits,
+                **({"mode": m.mode} if getattr(m, "mode", "affine") != "affine" else {}),
+            )
         return m.weight
 
     emb = dense(target.embed_tokens).astype(dtype)
@@ -189,8 +261,11 @@ def save_drafter(model: nn.Module, cfg: dict, out: Path, *, compact: bool = Fals
         cfg["mlx_dspark_distill"] = meta
     if compact:
         cfg["embeddings_from_target"] = True
-    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())
-               if not (compact and k.startswith(("embed_tokens.", "lm_head.")))}
+    weights = {
+        k: v.astype(mx.bfloat16)
+        for k, v in tree_flatten(model.parameters())
+        if not (compact and k.startswith(("embed_tokens.", "lm_head.")))
+    }
     tmp = out / ".writing"
     tmp.mkdir(exist_ok=True)
     tmp_w, tmp_c = tmp / "model.safetensors", tmp / "config.json"
@@ -237,5 +312,17 @@ def size_mb(path: Path) -> float:
     return sum(f.stat().st_size for f in Path(path).glob("*") if f.is_file()) / 1e6
 
 
-__all__ = ["default_taps", "check_taps", "pick_mask_token", "drafter_config", "spec_from_config", "target_matrices",
-           "init_weights", "save_drafter", "save_state", "load_state", "has_state", "size_mb"]
+__all__ = [
+    "default_taps",
+    "check_taps",
+    "pick_mask_token",
+    "drafter_config",
+    "spec_from_config",
+    "target_matrices",
+    "init_weights",
+    "save_drafter",
+    "save_state",
+    "load_state",
+    "has_state",
+    "size_mb",
+]

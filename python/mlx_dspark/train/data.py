@@ -121,11 +121,11 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
                 raise UserError(f"{p}:{n}: not valid JSON ({e.msg})") from None
             turns = rec.get("turns") if isinstance(rec, dict) else None
             if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
-                raise UserError(f"{p}:{n}: expected {{\"turns\": [\"a user message\", ...]}}")
+                raise UserError(f'{p}:{n}: expected {{"turns": ["a user message", ...]}}')
             if turns[0].strip():
                 out.append(Prompt(turns[0], p.stem))
     if not out:
-        raise UserError(f"prompt file {p} holds no prompts (expected JSONL lines like {{\"turns\": [\"...\"]}})")
+        raise UserError(f'prompt file {p} holds no prompts (expected JSONL lines like {{"turns": ["..."]}})')
     return out
 
 
@@ -177,9 +177,11 @@ def subsample(prompts: Sequence[Prompt], per_domain: int, seed: int) -> list[Pro
 # --------------------------------------------------------------------------------- templates
 def require_chat_template(tokenizer, name: str = "the target") -> None:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError(f"{name} has no chat template: distill needs one, because the drafter must learn the "
-                        "target's answers in the exact format it is prompted with at inference "
-                        "(use an instruct/chat model, or add a chat_template to its tokenizer_config.json)")
+        raise UserError(
+            f"{name} has no chat template: distill needs one, because the drafter must learn the "
+            "target's answers in the exact format it is prompted with at inference "
+            "(use an instruct/chat model, or add a chat_template to its tokenizer_config.json)"
+        )
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -209,8 +211,7 @@ class GenConfig:
 
 def _batch_cache(model, left_padding: list[int]) -> list:
     """Per-layer batched caches (left-padded rows) shaped like the model's own prompt cache."""
-    from mlx_lm.models.cache import (BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache,
-                                     make_prompt_cache)
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache, make_prompt_cache
 
     out = []
     for c in make_prompt_cache(model):
@@ -219,13 +220,22 @@ def _batch_cache(model, left_padding: list[int]) -> list:
         elif isinstance(c, KVCache):
             out.append(BatchKVCache(left_padding))
         else:
-            raise UserError(f"distill cannot batch answers for a target with a {type(c).__name__} cache "
-                            "(attention KV and sliding-window caches only)")
+            raise UserError(
+                f"distill cannot batch answers for a target with a {type(c).__name__} cache "
+                "(attention KV and sliding-window caches only)"
+            )
     return out
 
 
-def answer_batch(model, prompts: Sequence[list[int]], max_new: int, sampler, stops: set[int],
-                 deadline: float | None = None, prefill_step: int = 512) -> list[list[int]]:
+def answer_batch(
+    model,
+    prompts: Sequence[list[int]],
+    max_new: int,
+    sampler,
+    stops: set[int],
+    deadline: float | None = None,
+    prefill_step: int = 512,
+) -> list[list[int]]:
     """The answers to one static batch of prompts (left-padded, prefilled together, decoded
     together). A row stops at its first stop token (kept) or after `max_new` tokens; finished
     rows are dropped from the batch as it thins out. Decoding is pipelined: step k+1 is queued
@@ -268,8 +278,9 @@ def answer_batch(model, prompts: Sequence[list[int]], max_new: int, sampler, sto
     return answers
 
 
-def generate_samples(target, tokenizer, prompts: Sequence[Prompt], cfg: GenConfig,
-                     progress: Callable[[str], None] | None = None) -> list[Sample]:
+def generate_samples(
+    target, tokenizer, prompts: Sequence[Prompt], cfg: GenConfig, progress: Callable[[str], None] | None = None
+) -> list[Sample]:
     """The target's answers to `prompts`, `cfg.answers_per_prompt` each, as training samples.
 
     Static batches of prompts of similar length (little padding), domains interleaved so that a
@@ -315,8 +326,7 @@ def generate_samples(target, tokenizer, prompts: Sequence[Prompt], cfg: GenConfi
             break
         if b is batches[0]:
             mx.random.seed(cfg.seed + rep)
-        answers = answer_batch(target.model, [encoded[i][0] for i in b], cfg.max_new_tokens, sampler, stops,
-                               deadline)
+        answers = answer_batch(target.model, [encoded[i][0] for i in b], cfg.max_new_tokens, sampler, stops, deadline)
         for i, ans in zip(b, answers):
             n_tok += len(ans)
             if len(ans) >= 2:
@@ -326,8 +336,10 @@ def generate_samples(target, tokenizer, prompts: Sequence[Prompt], cfg: GenConfi
         now = time.perf_counter()
         if now - last > 5.0 or done == total:
             last = now
-            say(f"distill: answer batches {done}/{total}, {len(samples)} answers, {n_tok} tokens, "
-                f"{n_tok / max(now - t0, 1e-9):.0f} tok/s, {now - t0:.0f}s")
+            say(
+                f"distill: answer batches {done}/{total}, {len(samples)} answers, {n_tok} tokens, "
+                f"{n_tok / max(now - t0, 1e-9):.0f} tok/s, {now - t0:.0f}s"
+            )
     samples.sort(key=lambda s: (s.domain, s.ids))
     return samples
 

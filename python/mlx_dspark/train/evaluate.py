@@ -15,9 +15,17 @@ from typing import Callable, Sequence
 from . import data as D
 
 
-def acceptance(target, tokenizer, drafter, prompts: Sequence[D.Prompt], *, max_new_tokens: int = 128,
-               lookup_drafts: bool = False, max_prompt_tokens: int = 4096,
-               log: Callable[[str], None] | None = None) -> dict:
+def acceptance(
+    target,
+    tokenizer,
+    drafter,
+    prompts: Sequence[D.Prompt],
+    *,
+    max_new_tokens: int = 128,
+    lookup_drafts: bool = False,
+    max_prompt_tokens: int = 4096,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """{domain: {mean_accept, rounds, prompts, tokens, decode_tps}, "_all": pooled} for `prompts`
     (prompts longer than `max_prompt_tokens` are skipped and counted)."""
     from ..api import generate
@@ -27,13 +35,22 @@ def acceptance(target, tokenizer, drafter, prompts: Sequence[D.Prompt], *, max_n
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         ids = D.encode(tokenizer, p.text)
-        d = per.setdefault(p.domain, {"accept_sum": 0, "rounds": 0, "prompts": 0, "tokens": 0, "decode_s": 0.0,
-                                      "skipped": 0})
+        d = per.setdefault(
+            p.domain, {"accept_sum": 0, "rounds": 0, "prompts": 0, "tokens": 0, "decode_s": 0.0, "skipped": 0}
+        )
         if len(ids) > max_prompt_tokens:
             d["skipped"] += 1
             continue
-        res = generate(target, tokenizer, None, prompt_ids=ids, mode=drafter.kind, drafter=drafter,
-                       max_new_tokens=max_new_tokens, lookup_drafts=lookup_drafts)
+        res = generate(
+            target,
+            tokenizer,
+            None,
+            prompt_ids=ids,
+            mode=drafter.kind,
+            drafter=drafter,
+            max_new_tokens=max_new_tokens,
+            lookup_drafts=lookup_drafts,
+        )
         d["accept_sum"] += sum(res.accept_lengths)
         d["rounds"] += len(res.accept_lengths)
         d["prompts"] += 1
@@ -52,9 +69,14 @@ def acceptance(target, tokenizer, drafter, prompts: Sequence[D.Prompt], *, max_n
 
 
 def _finish(d: dict) -> dict:
-    return {"mean_accept": round(d["accept_sum"] / d["rounds"], 4) if d["rounds"] else 0.0,
-            "rounds": d["rounds"], "prompts": d["prompts"], "tokens": d["tokens"], "skipped": d["skipped"],
-            "decode_tps": round((d["tokens"] - d["prompts"]) / d["decode_s"], 2) if d["decode_s"] > 0 else 0.0}
+    return {
+        "mean_accept": round(d["accept_sum"] / d["rounds"], 4) if d["rounds"] else 0.0,
+        "rounds": d["rounds"],
+        "prompts": d["prompts"],
+        "tokens": d["tokens"],
+        "skipped": d["skipped"],
+        "decode_tps": round((d["tokens"] - d["prompts"]) / d["decode_s"], 2) if d["decode_s"] > 0 else 0.0,
+    }
 
 
 def format_table(result: dict) -> str:

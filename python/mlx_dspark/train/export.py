@@ -37,7 +37,12 @@ def quantize_for_storage(weights: dict, bits: int, group_size: int = GROUP_SIZE)
     affine): X.weight (uint32) + X.scales + X.biases; every other tensor unchanged."""
     out = {}
     for k, v in weights.items():
-        if k.endswith(".weight") and v.ndim == 2 and v.shape[-1] % group_size == 0 and mx.issubdtype(v.dtype, mx.floating):
+        if (
+            k.endswith(".weight")
+            and v.ndim == 2
+            and v.shape[-1] % group_size == 0
+            and mx.issubdtype(v.dtype, mx.floating)
+        ):
             w, scales, biases = mx.quantize(v, group_size=group_size, bits=bits)
             base = k[: -len(".weight")]
             out[k], out[base + ".scales"], out[base + ".biases"] = w, scales, biases
@@ -63,8 +68,11 @@ def export_compact(src: Path, dest: Path, bits: int = 16) -> Path:
         raise UserError(f"cannot export {src}: it has no *.safetensors weights")
     cfg["embeddings_from_target"] = True
     cfg.pop("quantization", None)
-    kept = {k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v
-            for k, v in weights.items() if k not in DROP}
+    kept = {
+        k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+        if k not in DROP
+    }
     if bits != 16:
         kept = quantize_for_storage(kept, bits)
         cfg["quantization"] = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"}
@@ -86,12 +94,18 @@ def export_compact(src: Path, dest: Path, bits: int = 16) -> Path:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m mlx_dspark.train.export",
-                                 description="compact export of a distilled drafter")
+    ap = argparse.ArgumentParser(
+        prog="python -m mlx_dspark.train.export", description="compact export of a distilled drafter"
+    )
     ap.add_argument("src", metavar="FULL_DIR")
     ap.add_argument("dest", metavar="OUT_DIR")
-    ap.add_argument("--bits", type=int, choices=(4, 8, 16), default=16,
-                    help="store the matrices quantized (MLX affine, group 64); default 16: bf16")
+    ap.add_argument(
+        "--bits",
+        type=int,
+        choices=(4, 8, 16),
+        default=16,
+        help="store the matrices quantized (MLX affine, group 64); default 16: bf16",
+    )
     args = ap.parse_args(argv)
     try:
         out = export_compact(Path(args.src), Path(args.dest), bits=args.bits)

@@ -70,8 +70,15 @@ def layer_forward(layer, h: mx.array, ctx: mx.array, anchors: mx.array, ctx_ok: 
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def block_hidden(model, taps: mx.array, tokens: mx.array, anchors: mx.array, block_size: int,
-                 mask_token_id: int, embed_scale: float = 1.0) -> mx.array:
+def block_hidden(
+    model,
+    taps: mx.array,
+    tokens: mx.array,
+    anchors: mx.array,
+    block_size: int,
+    mask_token_id: int,
+    embed_scale: float = 1.0,
+) -> mx.array:
     """Final-normed slot states [S, A, B, H] of the blocks anchored at `anchors` [S, A].
 
     taps [S, T, len(taps) * H_t]: the target's tapped rows of each sequence (right-padded);

@@ -45,8 +45,9 @@ class LossWeights:
         return cls(0.1, 0.9, 1.0, gamma) if kind == "dspark" else cls(1.0, 0.0, 0.0, gamma)
 
 
-def draft_logits(model, hidden: mx.array, prev: mx.array, softcap: float | None,
-                 vocab: mx.array | None = None) -> mx.array:
+def draft_logits(
+    model, hidden: mx.array, prev: mx.array, softcap: float | None, vocab: mx.array | None = None
+) -> mx.array:
     """Markov-corrected draft logits z [..., V] of slot states hidden [..., H] (teacher-forced prev);
     with `vocab` (sorted token ids [K]) over those tokens only, z [..., K]."""
     w = model.lm_head.weight  # frozen, in the target's dtype (bf16 on a GPU: the big matmul runs in bf16)
@@ -66,6 +67,7 @@ def draft_logits(model, hidden: mx.array, prev: mx.array, softcap: float | None,
 @dataclass
 class TrainVocab:
     """The training vocabulary: sorted token ids [K] and, per token id, its index in them (-1 outside)."""
+
     ids: mx.array
     index: mx.array
 
@@ -83,8 +85,17 @@ class TrainVocab:
         return logits[..., self.ids], mx.logsumexp(logits.astype(mx.float32), axis=-1)
 
 
-def block_loss(model, hidden: mx.array, prev: mx.array, labels: mx.array, mask: mx.array,
-               target_logits, w: LossWeights, softcap: float | None = None, vocab: TrainVocab | None = None):
+def block_loss(
+    model,
+    hidden: mx.array,
+    prev: mx.array,
+    labels: mx.array,
+    mask: mx.array,
+    target_logits,
+    w: LossWeights,
+    softcap: float | None = None,
+    vocab: TrainVocab | None = None,
+):
     """(loss, metrics) for slot states hidden [N, B, H] with labels/prev [N, B], mask [N, B] (0/1,
     already cumulative), target logits [N, B, V] aligned to the slots; with `vocab`, the pair
     `vocab.target_terms(...)` of them instead ([N, B, K] and [N, B])."""

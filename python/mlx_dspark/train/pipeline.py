@@ -63,8 +63,11 @@ def _generation_defaults(model: str, target) -> dict:
             gc = {}
     if gc.get("do_sample") is False or "temperature" not in gc:
         return dict(DEFAULT_SAMPLING)
-    return {"temperature": float(gc.get("temperature", 0.7)), "top_p": float(gc.get("top_p", 1.0)),
-            "top_k": int(gc.get("top_k", 0) or 0)}
+    return {
+        "temperature": float(gc.get("temperature", 0.7)),
+        "top_p": float(gc.get("top_p", 1.0)),
+        "top_k": int(gc.get("top_k", 0) or 0),
+    }
 
 
 def _check_out(out: Path, resume: bool) -> None:
@@ -78,8 +81,9 @@ def _check_out(out: Path, resume: bool) -> None:
         raise UserError(f"--out {out} exists and is not empty; choose a new folder")
 
 
-def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = None,
-                on_step: Callable[[int], None] | None = None) -> dict:
+def run_distill(
+    opts: DistillOptions, *, log: Callable[[str], None] | None = None, on_step: Callable[[int], None] | None = None
+) -> dict:
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     from ..models.loading import load_target
 
@@ -108,22 +112,31 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
         held = D.subsample(held, opts.eval_samples, cfg.seed)
     if opts.max_train_prompts:
         train_prompts = D.subsample(train_prompts, opts.max_train_prompts, cfg.seed)
-    say(f"distill: target {model} ({target.model_type}, {target.num_layers} layers, hidden {target.hidden_size}, "
-        f"vocab {target.vocab_size}); {len(train_prompts)} training prompts, {len(held)} held out")
+    say(
+        f"distill: target {model} ({target.model_type}, {target.num_layers} layers, hidden {target.hidden_size}, "
+        f"vocab {target.vocab_size}); {len(train_prompts)} training prompts, {len(held)} held out"
+    )
 
     samp = _generation_defaults(model, target)
     for k in ("temperature", "top_p", "top_k"):
         if getattr(opts, k) is not None:
             samp[k] = getattr(opts, k)
     g = cfg.gen
-    g.temperature, g.top_p, g.top_k, g.seed = float(samp["temperature"]), float(samp["top_p"]), int(samp["top_k"]), cfg.seed
+    g.temperature, g.top_p, g.top_k, g.seed = (
+        float(samp["temperature"]),
+        float(samp["top_p"]),
+        int(samp["top_k"]),
+        cfg.seed,
+    )
     key = D.data_key(str(model), train_prompts, g)
     out.mkdir(parents=True, exist_ok=True)
     samples = D.load_samples(out / "samples.jsonl", key)
     t_gen = 0.0
     if samples is None:
-        say(f"distill: the target answers {len(train_prompts)} prompts (T={g.temperature}, top_p={g.top_p}, "
-            f"top_k={g.top_k}, up to {g.max_new_tokens} tokens, batches of {g.batch_size})")
+        say(
+            f"distill: the target answers {len(train_prompts)} prompts (T={g.temperature}, top_p={g.top_p}, "
+            f"top_k={g.top_k}, up to {g.max_new_tokens} tokens, batches of {g.batch_size})"
+        )
         t = time.perf_counter()
         samples = D.generate_samples(target, tokenizer, train_prompts, g, progress=say)
         t_gen = time.perf_counter() - t
@@ -132,10 +145,19 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
         say(f"distill: reusing the target's answers in {out / 'samples.jsonl'}")
     say("distill: " + D.describe(samples))
 
-    meta = {"target": str(model), "kind": cfg.kind, "prompts": [str(p) for p in opts.prompts] + (
-        ["<built-in>"] if opts.builtin_prompts else []), "samples": len(samples),
-        "answer_tokens": sum(s.n_answer for s in samples), "sampling": samp, "batch_size": cfg.batch_size,
-        "anchors": cfg.anchors, "lr": cfg.lr, "warmup_ratio": cfg.warmup_ratio, "train_vocab": cfg.train_vocab}
+    meta = {
+        "target": str(model),
+        "kind": cfg.kind,
+        "prompts": [str(p) for p in opts.prompts] + (["<built-in>"] if opts.builtin_prompts else []),
+        "samples": len(samples),
+        "answer_tokens": sum(s.n_answer for s in samples),
+        "sampling": samp,
+        "batch_size": cfg.batch_size,
+        "anchors": cfg.anchors,
+        "lr": cfg.lr,
+        "warmup_ratio": cfg.warmup_ratio,
+        "train_vocab": cfg.train_vocab,
+    }
     if cfg.init_from:
         meta["init_from"] = str(cfg.init_from)
         if cfg.init_layers is not None and cfg.init_layers < cfg.layers:
@@ -158,8 +180,9 @@ def run_distill(opts: DistillOptions, *, log: Callable[[str], None] | None = Non
         drafter = load_drafter(str(ship), target, bits=16)
         res = acceptance(target, tokenizer, drafter, held, max_new_tokens=opts.eval_max_tokens, log=say)
         summary["eval"] = res
-        (out / "eval.json").write_text(json.dumps({"drafter": str(ship), "max_new_tokens": opts.eval_max_tokens,
-                                                   "result": res}, indent=1))
+        (out / "eval.json").write_text(
+            json.dumps({"drafter": str(ship), "max_new_tokens": opts.eval_max_tokens, "result": res}, indent=1)
+        )
         say("distill: held-out mean acceptance length (greedy, accepted + 1 per round):\n" + format_table(res))
     summary["total_s"] = round(time.perf_counter() - t0, 1)
     return summary

@@ -76,9 +76,23 @@ class DistillConfig:
 
     def arch(self) -> dict:
         """What must match for --resume."""
-        return {k: getattr(self, k) for k in ("kind", "layers", "block_size", "taps", "markov_rank",
-                                              "intermediate_size", "mask_token_id", "batch_size", "anchors",
-                                              "lr", "seed", "train_vocab")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "kind",
+                "layers",
+                "block_size",
+                "taps",
+                "markov_rank",
+                "intermediate_size",
+                "mask_token_id",
+                "batch_size",
+                "anchors",
+                "lr",
+                "seed",
+                "train_vocab",
+            )
+        }
 
 
 # --------------------------------------------------------------------------------- progress
@@ -221,8 +235,15 @@ _INIT_ARCH = {
     "mask_token_id": lambda c: int(c["mask_token_id"]),
     "kind": lambda c: "dspark" if (c.get("markov_rank") or c.get("enable_confidence_head")) else "dflash",
 }
-_FLAG = {"layers": "--layers", "block_size": "--block-size", "taps": "--taps", "markov_rank": "--markov-rank",
-         "intermediate_size": "--intermediate-size", "mask_token_id": "--mask-token-id", "kind": "--kind"}
+_FLAG = {
+    "layers": "--layers",
+    "block_size": "--block-size",
+    "taps": "--taps",
+    "markov_rank": "--markov-rank",
+    "intermediate_size": "--intermediate-size",
+    "mask_token_id": "--mask-token-id",
+    "kind": "--kind",
+}
 
 
 def resolve_arch(cfg: DistillConfig, target) -> Path | None:
@@ -247,8 +268,10 @@ def _init_arch(cfg: DistillConfig, target) -> Path:
     except UserError as e:
         raise UserError(f"--init-from: {e}") from None
     if spec.packaging not in ("deepspec-dspark", "deepspec-dflash"):
-        raise UserError(f"--init-from {cfg.init_from}: a {spec.packaging} checkpoint cannot be trained further "
-                        "here (distill trains the DeepSpec layout: DSpark, or DFlash with --kind dflash)")
+        raise UserError(
+            f"--init-from {cfg.init_from}: a {spec.packaging} checkpoint cannot be trained further "
+            "here (distill trains the DeepSpec layout: DSpark, or DFlash with --kind dflash)"
+        )
     for key, read in _INIT_ARCH.items():
         have = read(hcfg)
         mine = getattr(cfg, key)
@@ -258,8 +281,10 @@ def _init_arch(cfg: DistillConfig, target) -> Path:
             continue  # a deeper drafter: the checkpoint's layers, then new ones that start as identity
         if mine is not None and mine != have:
             more = " or make it deeper" if key == "layers" else ""
-            raise UserError(f"{_FLAG[key]} {mine} disagrees with --init-from {cfg.init_from}, whose {key} is {have}: "
-                            f"drop {_FLAG[key]} (a warm start keeps the checkpoint's architecture{more})")
+            raise UserError(
+                f"{_FLAG[key]} {mine} disagrees with --init-from {cfg.init_from}, whose {key} is {have}: "
+                f"drop {_FLAG[key]} (a warm start keeps the checkpoint's architecture{more})"
+            )
         setattr(cfg, key, have)
     return path
 
@@ -281,8 +306,10 @@ def load_init_weights(model: DSparkModel, path: Path) -> None:
     extra = sorted(set(got) - set(want))
     bad = sorted(k for k in set(want) & set(got) if tuple(got[k].shape) != tuple(want[k]))
     if missing or extra or bad:
-        raise UserError(f"--init-from {path}: its tensors do not match the drafter it describes "
-                        f"(missing {missing[:3]}, unexpected {extra[:3]}, other shapes {bad[:3]})")
+        raise UserError(
+            f"--init-from {path}: its tensors do not match the drafter it describes "
+            f"(missing {missing[:3]}, unexpected {extra[:3]}, other shapes {bad[:3]})"
+        )
     model.load_weights([(k, v.astype(mx.float32)) for k, v in got.items()], strict=False)
     for i in new_layers:
         layer = model.layers[i]
@@ -304,9 +331,17 @@ def build_model(target, tokenizer, cfg: DistillConfig, out: Path) -> tuple[DSpar
         raise UserError(f"--mask-token-id {cfg.mask_token_id} is outside the vocabulary (0..{target.vocab_size - 1})")
     if cfg.markov_rank is None:
         cfg.markov_rank = 256 if target.hidden_size >= 2048 else 64
-    hcfg = ck.drafter_config(target, kind=cfg.kind, layers=cfg.layers, block_size=cfg.block_size, taps=taps,
-                             mask_token_id=cfg.mask_token_id, markov_rank=cfg.markov_rank,
-                             intermediate_size=cfg.intermediate_size, num_anchors=cfg.anchors)
+    hcfg = ck.drafter_config(
+        target,
+        kind=cfg.kind,
+        layers=cfg.layers,
+        block_size=cfg.block_size,
+        taps=taps,
+        mask_token_id=cfg.mask_token_id,
+        markov_rank=cfg.markov_rank,
+        intermediate_size=cfg.intermediate_size,
+        num_anchors=cfg.anchors,
+    )
     spec = ck.spec_from_config(hcfg, out)
     model = DSparkModel(spec)
     ck.init_weights(model, cfg.seed)
@@ -351,8 +386,16 @@ class StopRequest:
 
 
 # ------------------------------------------------------------------------------------ train
-def target_inputs(target, tok: mx.array, lens: list[int], anc: np.ndarray, msk: np.ndarray, B: int, taps,
-                  vocab: TrainVocab | None = None):
+def target_inputs(
+    target,
+    tok: mx.array,
+    lens: list[int],
+    anc: np.ndarray,
+    msk: np.ndarray,
+    B: int,
+    taps,
+    vocab: TrainVocab | None = None,
+):
     """One teacher-forced target forward: its tapped rows [S, T, C] and its logits at the block
     slots' predecessor positions anchor + j [S, A*B, V] (DeepSpec deepspec/modeling/dspark/common.py); with `vocab`,
     their subset columns [S, A*B, K] and log-normalisers [S, A*B] (no [S, A*B, V] gather).
@@ -385,9 +428,18 @@ def train_vocab(samples: list[D.Sample], choice, vocab_size: int) -> TrainVocab 
     return None if keep is None else TrainVocab.of(keep, vocab_size)
 
 
-def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: Path, *, resume: bool = False,
-          meta: dict | None = None, on_step: Callable[[int], None] | None = None,
-          log: Callable[[str], None] | None = None) -> dict:
+def train(
+    target,
+    tokenizer,
+    samples: list[D.Sample],
+    cfg: DistillConfig,
+    out: Path,
+    *,
+    resume: bool = False,
+    meta: dict | None = None,
+    on_step: Callable[[int], None] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Train and write the drafter into `out`. Returns a summary (steps, final metrics, timings)."""
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     out = Path(out)
@@ -399,8 +451,10 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
     softcap = spec.softcap
     vocab = train_vocab(samples, cfg.train_vocab, spec.vocab_size)
     if vocab is not None:
-        say(f"distill: training on the {vocab.ids.size} answer tokens of the draft vocabulary "
-            f"(--train-vocab {cfg.train_vocab}) of {spec.vocab_size}")
+        say(
+            f"distill: training on the {vocab.ids.size} answer tokens of the draft vocabulary "
+            f"(--train-vocab {cfg.train_vocab}) of {spec.vocab_size}"
+        )
     opt = optim.AdamW(learning_rate=cfg.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=cfg.weight_decay)
     batches = Batches(samples, cfg.batch_size, cfg.seed)
     rng = np.random.default_rng(cfg.seed + 17)
@@ -409,8 +463,10 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
     if resume:
         st = ck.load_state(model, opt, out)
         if st.get("arch") != json.loads(json.dumps(cfg.arch())):
-            raise UserError(f"--resume: {out} was trained with other settings ({st.get('arch')}); "
-                            "use the same flags, or another --out")
+            raise UserError(
+                f"--resume: {out} was trained with other settings ({st.get('arch')}); "
+                "use the same flags, or another --out"
+            )
         step, total = int(st["step"]), int(st["total"])
         batches.restore(st["batches"])
         rng.bit_generator.state = st["rng"]
@@ -423,15 +479,30 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
         S, A = anc.shape
         h = block_hidden(m, taps_a, tok, anc, B, spec.mask_token_id)
         tl = tlog.reshape(S * A, B, -1) if vocab is None else (tlog[0].reshape(S * A, B, -1), tlog[1].reshape(S * A, B))
-        return block_loss(m, h.reshape(S * A, B, -1), prv.reshape(S * A, B), lab.reshape(S * A, B),
-                          msk.reshape(S * A, B), tl, weights, softcap, vocab)
+        return block_loss(
+            m,
+            h.reshape(S * A, B, -1),
+            prv.reshape(S * A, B),
+            lab.reshape(S * A, B),
+            msk.reshape(S * A, B),
+            tl,
+            weights,
+            softcap,
+            vocab,
+        )
 
     value_grad = nn.value_and_grad(model, loss_fn)
 
     def state_dict() -> dict:
-        return {"step": step, "total": total, "arch": cfg.arch(), "batches": batches.state(),
-                "rng": rng.bit_generator.state, "elapsed": elapsed_before + (time.perf_counter() - t_start),
-                "history": history}
+        return {
+            "step": step,
+            "total": total,
+            "arch": cfg.arch(),
+            "batches": batches.state(),
+            "rng": rng.bit_generator.state,
+            "elapsed": elapsed_before + (time.perf_counter() - t_start),
+            "history": history,
+        }
 
     def checkpoint() -> None:
         mx.eval(model.parameters(), opt.state)
@@ -450,8 +521,9 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
             hid, tlog = target_inputs(target, tok_a, [len(samples[i].ids) for i in idx], anc, msk, B, taps, vocab)
             lr = lr_at(step, total, cfg.lr, cfg.warmup_ratio)
             opt.learning_rate = lr
-            (loss, mets), grads = value_grad(model, hid, tok_a, mx.array(anc), mx.array(lab), mx.array(prv),
-                                             mx.array(msk), tlog)
+            (loss, mets), grads = value_grad(
+                model, hid, tok_a, mx.array(anc), mx.array(lab), mx.array(prv), mx.array(msk), tlog
+            )
             if cfg.grad_clip and cfg.grad_clip > 0:
                 grads, gnorm = optim.clip_grad_norm(grads, cfg.grad_clip)
             else:
@@ -469,11 +541,28 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
             if on_step is not None:
                 on_step(step)
             if step % cfg.log_every == 0 or step == total or step == start_step + 1:
-                metrics = {"loss": float(loss), "lr": lr, "gnorm": float(gnorm), "skipped": skipped,
-                           **{k: (v.tolist() if v.ndim else float(v)) for k, v in mets.items()}}
-                history.append({"step": step, **{k: (round(v, 5) if isinstance(v, float) else
-                                                     [round(x, 4) for x in v] if isinstance(v, list) else v)
-                                                 for k, v in metrics.items()}})
+                metrics = {
+                    "loss": float(loss),
+                    "lr": lr,
+                    "gnorm": float(gnorm),
+                    "skipped": skipped,
+                    **{k: (v.tolist() if v.ndim else float(v)) for k, v in mets.items()},
+                }
+                history.append(
+                    {
+                        "step": step,
+                        **{
+                            k: (
+                                round(v, 5)
+                                if isinstance(v, float)
+                                else [round(x, 4) for x in v]
+                                if isinstance(v, list)
+                                else v
+                            )
+                            for k, v in metrics.items()
+                        },
+                    }
+                )
             prog.update(step, metrics, tokens_seen, start_step, force=step == total)
             # Fit the step count to a time budget once the speed is known (kernels are warm by then).
             if cfg.train_seconds and step == start_step + 5:
@@ -483,8 +572,10 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
                 left = cfg.train_seconds - (time.perf_counter() - t_start)
                 new_total = min(total, step + max(int(left / dt), 0))
                 if new_total != total:
-                    say(f"\ndistill: {dt * 1000:.0f} ms/step: {new_total} steps fit in --train-seconds "
-                        f"{cfg.train_seconds:.0f}")
+                    say(
+                        f"\ndistill: {dt * 1000:.0f} ms/step: {new_total} steps fit in --train-seconds "
+                        f"{cfg.train_seconds:.0f}"
+                    )
                     total = new_total
                     prog.total = total
             if cfg.save_every and step % cfg.save_every == 0 and step < total:
@@ -492,11 +583,18 @@ def train(target, tokenizer, samples: list[D.Sample], cfg: DistillConfig, out: P
     prog.close()
     checkpoint()
     if stop.requested and step < total:
-        raise UserError(f"stopped at step {step}/{total}; the state is saved in {out}: run the same "
-                        "command with --resume to continue")
+        raise UserError(
+            f"stopped at step {step}/{total}; the state is saved in {out}: run the same "
+            "command with --resume to continue"
+        )
     wall = time.perf_counter() - t_start
-    summary = {"steps": step, "train_s": round(wall + elapsed_before, 1), "tokens": tokens_seen,
-               "final": metrics, "history_tail": history[-5:]}
+    summary = {
+        "steps": step,
+        "train_s": round(wall + elapsed_before, 1),
+        "tokens": tokens_seen,
+        "final": metrics,
+        "history_tail": history[-5:],
+    }
     with open(out / "train_log.jsonl", "w") as f:
         for h in history:
             f.write(json.dumps(h) + "\n")

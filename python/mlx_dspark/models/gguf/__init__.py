@@ -51,12 +51,16 @@ def check_tensors(reader, arch: str, source: str) -> None:
     """Refuse unsupported quant types and unknown tensor names, naming the first offender."""
     for t in reader.tensors:
         if t.tensor_type not in gq.SUPPORTED:
-            raise UserError(f"{source}: tensor {t.name} uses GGML type {t.tensor_type.name}, which mlx-dspark "
-                            f"does not import (supported: {gq.supported_names()}); use a GGUF with one of those "
-                            "types (e.g. Q8_0, Q4_K_M) or an mlx-lm folder")
+            raise UserError(
+                f"{source}: tensor {t.name} uses GGML type {t.tensor_type.name}, which mlx-dspark "
+                f"does not import (supported: {gq.supported_names()}); use a GGUF with one of those "
+                "types (e.g. Q8_0, Q4_K_M) or an mlx-lm folder"
+            )
         if t.name not in archs.CONFIG_ONLY and archs.tensor_rule(arch, t.name) is None:
-            raise UserError(f"{source}: unexpected tensor {t.name!r} for architecture {arch}; "
-                            "this variant of the architecture is not supported")
+            raise UserError(
+                f"{source}: unexpected tensor {t.name!r} for architecture {arch}; "
+                "this variant of the architecture is not supported"
+            )
 
 
 # ------------------------------------------------------------------------------- conversion
@@ -85,8 +89,10 @@ def _tensor(t, rule, cfg: dict, dtype: str, bits: int | None, scale_dtype: str):
             exact = gq.exact_affine(t.data, t.tensor_type, bits)
             if exact is not None:
                 w, s, b = (fix(x) for x in exact)
-                return {"weight": mx.array(w), "scales": mx.array(s).astype(sdt),
-                        "biases": mx.array(b).astype(sdt)}, (gq.GROUP, bits)
+                return {"weight": mx.array(w), "scales": mx.array(s).astype(sdt), "biases": mx.array(b).astype(sdt)}, (
+                    gq.GROUP,
+                    bits,
+                )
         group = 64 if cols % 64 == 0 else 32 if cols % 32 == 0 else 0
         if group:
             w, s, b = mx.quantize(mx.array(fix(gq.to_float32(t.data, t.tensor_type))), group_size=group, bits=bits)
@@ -126,8 +132,9 @@ def _validate_folder(folder: Path, source: str) -> None:
     try:
         load_model(folder, lazy=True, strict=True)
     except Exception as e:
-        raise UserError(f"{source}: the converted weights do not fit mlx-lm's model "
-                        f"({type(e).__name__}: {str(e)[:300]})") from None
+        raise UserError(
+            f"{source}: the converted weights do not fit mlx-lm's model ({type(e).__name__}: {str(e)[:300]})"
+        ) from None
 
 
 def _check_options(dtype: str, quantize: int | None) -> int | None:
@@ -138,8 +145,9 @@ def _check_options(dtype: str, quantize: int | None) -> int | None:
     return int(quantize) if quantize else None
 
 
-def convert_gguf(src: Path, out: Path, *, dtype: str = "float32", quantize: int | None = None,
-                 sha256: str | None = None) -> Path:
+def convert_gguf(
+    src: Path, out: Path, *, dtype: str = "float32", quantize: int | None = None, sha256: str | None = None
+) -> Path:
     """Write `src` as an mlx-lm model folder at `out` (which must not exist or be empty)."""
     import mlx.core as mx
 
@@ -154,8 +162,9 @@ def convert_gguf(src: Path, out: Path, *, dtype: str = "float32", quantize: int 
     by_name = {t.name: t for t in reader.tensors}
     shapes = {t.name: t.shape for t in reader.tensors}
     rope = by_name.get("rope_freqs.weight")
-    cfg = archs.build_config(arch, meta, shapes, str(src),
-                             rope_freqs=(lambda: gq.to_float32(rope.data, rope.tensor_type)) if rope else None)
+    cfg = archs.build_config(
+        arch, meta, shapes, str(src), rope_freqs=(lambda: gq.to_float32(rope.data, rope.tensor_type)) if rope else None
+    )
     started = time.perf_counter()
     weights, qmap = convert_tensors(reader, arch, cfg, dtype, bits)
     if bits:
@@ -170,15 +179,22 @@ def convert_gguf(src: Path, out: Path, *, dtype: str = "float32", quantize: int 
         del weights
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         write_tokenizer(meta, out, str(src))
-        info = {"source": str(src.resolve()), "sha256": sha256, "architecture": arch,
-                "name": meta.get("general.name"), "dtype": dtype, "quantize": bits,
-                "scale_dtype": _scale_dtype(dtype) if bits else None,
-                "tensor_types": _type_counts(reader), "converter_version": CONVERTER_VERSION,
-                "convert_s": round(time.perf_counter() - started, 3)}
+        info = {
+            "source": str(src.resolve()),
+            "sha256": sha256,
+            "architecture": arch,
+            "name": meta.get("general.name"),
+            "dtype": dtype,
+            "quantize": bits,
+            "scale_dtype": _scale_dtype(dtype) if bits else None,
+            "tensor_types": _type_counts(reader),
+            "converter_version": CONVERTER_VERSION,
+            "convert_s": round(time.perf_counter() - started, 3),
+        }
         (out / SOURCE_FILE).write_text(json.dumps(info, indent=2))
         _validate_folder(out, str(src))
     except BaseException:  # leave no half-written folder behind
-        for child in ([out] if created else list(out.iterdir())):
+        for child in [out] if created else list(out.iterdir()):
             shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
         raise
     return out
@@ -247,8 +263,11 @@ def convert_gguf_cached(src: Path, *, dtype: str = "float32", quantize: int | No
     if (folder / SOURCE_FILE).exists() and (folder / "model.safetensors").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    print(f"converting {src.name} to MLX ({dtype}{f', {quantize}-bit' if quantize else ''}) once, into {folder}",
-          file=sys.stderr, flush=True)
+    print(
+        f"converting {src.name} to MLX ({dtype}{f', {quantize}-bit' if quantize else ''}) once, into {folder}",
+        file=sys.stderr,
+        flush=True,
+    )
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".tmp-{folder.name}-"))
     try:
         convert_gguf(src, tmp, dtype=dtype, quantize=quantize, sha256=file_sha256(src))

@@ -94,9 +94,11 @@ def tensor_rule(arch: str, name: str) -> tuple[str, TensorRule] | None:
 
 def check_arch(arch: str | None, source: str) -> str:
     if arch not in SUPPORTED_ARCHS:
-        raise UserError(f"{source}: GGUF architecture {arch!r} is not supported "
-                        f"(mlx-dspark imports {' and '.join(SUPPORTED_ARCHS)} GGUF files); "
-                        "convert that model to an mlx-lm folder with mlx_lm.convert and pass the folder")
+        raise UserError(
+            f"{source}: GGUF architecture {arch!r} is not supported "
+            f"(mlx-dspark imports {' and '.join(SUPPORTED_ARCHS)} GGUF files); "
+            "convert that model to an mlx-lm folder with mlx_lm.convert and pass the folder"
+        )
     return arch
 
 
@@ -107,8 +109,9 @@ def _f32(v) -> float:
 
 def _req(meta: dict, key: str, source: str):
     if key not in meta:
-        raise UserError(f"{source}: GGUF metadata lacks {key!r}; the file is incomplete "
-                        f"or not a {key.split('.')[0]} model")
+        raise UserError(
+            f"{source}: GGUF metadata lacks {key!r}; the file is incomplete or not a {key.split('.')[0]} model"
+        )
     return meta[key]
 
 
@@ -133,16 +136,27 @@ def llama3_rope_scaling(factors: np.ndarray, head_dim: int, base: float, source:
     factor = float(f.max())
     for low, high, old in ((1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 2.0, 8192)):
         smooth = (old / wavelen - low) / (high - low)
-        want = np.where(wavelen < old / high, 1.0,
-                        np.where(wavelen > old / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+        want = np.where(
+            wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 1.0 / ((1 - smooth) / factor + smooth))
+        )
         if want.shape == f.shape and np.allclose(want, f, rtol=1e-4, atol=1e-6):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": old}
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": old,
+            }
     raise UserError(f"{source}: its rope_freqs tensor matches no Llama 3 RoPE scaling setting mlx-dspark knows")
 
 
-def build_config(arch: str, meta: dict, shapes: dict[str, tuple[int, ...]], source: str,
-                 rope_freqs: Callable[[], np.ndarray] | None = None) -> dict[str, Any]:
+def build_config(
+    arch: str,
+    meta: dict,
+    shapes: dict[str, tuple[int, ...]],
+    source: str,
+    rope_freqs: Callable[[], np.ndarray] | None = None,
+) -> dict[str, Any]:
     """HF-style config.json for mlx-lm from GGUF metadata. `shapes` maps GGUF names to (rows, cols)."""
     p = arch + "."
     hidden = int(_req(meta, p + "embedding_length", source))
@@ -179,20 +193,32 @@ def build_config(arch: str, meta: dict, shapes: dict[str, tuple[int, ...]], sour
         base = float(meta.get(p + "rope.freq_base", 10000.0))
         if rope_freqs is not None:
             scaling = llama3_rope_scaling(rope_freqs(), head_dim, base, source)
-        cfg.update(model_type="llama", architectures=["LlamaForCausalLM"], rope_theta=_f32(base),
-                   rope_traditional=False, rope_scaling=scaling,
-                   attention_bias="blk.0.attn_q.bias" in shapes, mlp_bias=False)
+        cfg.update(
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+            rope_theta=_f32(base),
+            rope_traditional=False,
+            rope_scaling=scaling,
+            attention_bias="blk.0.attn_q.bias" in shapes,
+            mlp_bias=False,
+        )
     else:  # gemma3
         # llama.cpp fixes these for Gemma 3 rather than storing them (llama-model.cpp, LLM_ARCH_GEMMA3):
         # a 5:1 local/global layer pattern, local RoPE base 10k, and the 27B's query scale.
         q_scalar = hidden // n_head if layers == 62 else head_dim
-        cfg.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
-                   rope_theta=_f32(meta.get(p + "rope.freq_base", 1_000_000.0)),
-                   rope_local_base_freq=10_000.0, rope_scaling=scaling,
-                   sliding_window=int(meta.get(p + "attention.sliding_window", 512)),
-                   sliding_window_pattern=6, query_pre_attn_scalar=q_scalar,
-                   final_logit_softcapping=None, attn_logit_softcapping=None,
-                   hidden_activation="gelu_pytorch_tanh")
+        cfg.update(
+            model_type="gemma3_text",
+            architectures=["Gemma3ForCausalLM"],
+            rope_theta=_f32(meta.get(p + "rope.freq_base", 1_000_000.0)),
+            rope_local_base_freq=10_000.0,
+            rope_scaling=scaling,
+            sliding_window=int(meta.get(p + "attention.sliding_window", 512)),
+            sliding_window_pattern=6,
+            query_pre_attn_scalar=q_scalar,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            hidden_activation="gelu_pytorch_tanh",
+        )
     if n_head % n_kv:
         raise UserError(f"{source}: {n_head} attention heads do not divide into {n_kv} KV heads")
     return cfg

@@ -17,8 +17,8 @@ code (K-quants, Q5_*) and, where asked, re-quantized by MLX.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as _gguf_dequantize
 
 FLOAT_TYPES = {QT.F32, QT.F16, QT.BF16}

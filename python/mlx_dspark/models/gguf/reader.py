@@ -54,7 +54,7 @@ class _Cursor:
         n = self.take("<Q")
         if self.pos + n > len(self.buf):
             raise _Truncated
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        s = bytes(self.buf[self.pos : self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
 
@@ -77,9 +77,10 @@ class _Cursor:
         raise ValueError(f"unknown metadata value type {vtype}")
 
 
-def _tensor_view(mm: np.memmap, qtype: GGMLQuantizationType, shape: tuple[int, ...], offset: int,
-                 n_bytes: int) -> np.ndarray:
-    raw = mm[offset:offset + n_bytes]
+def _tensor_view(
+    mm: np.memmap, qtype: GGMLQuantizationType, shape: tuple[int, ...], offset: int, n_bytes: int
+) -> np.ndarray:
+    raw = mm[offset : offset + n_bytes]
     if qtype == GGMLQuantizationType.F32:
         return raw.view(np.float32).reshape(shape)
     if qtype == GGMLQuantizationType.F16:
@@ -144,7 +145,10 @@ class GGUFFile:
             n_bytes = int(np.prod(shape)) // block * size
             start = data_start + offset
             if start + n_bytes > self.size:
-                raise UserError(f"{self.path} is truncated: tensor {name} needs bytes up to {start + n_bytes} "
-                                f"but the file has {self.size}; download it again")
-            self.tensors.append(GGUFTensor(name, qtype, shape, start, n_bytes,
-                                           _tensor_view(self._mm, qtype, shape, start, n_bytes)))
+                raise UserError(
+                    f"{self.path} is truncated: tensor {name} needs bytes up to {start + n_bytes} "
+                    f"but the file has {self.size}; download it again"
+                )
+            self.tensors.append(
+                GGUFTensor(name, qtype, shape, start, n_bytes, _tensor_view(self._mm, qtype, shape, start, n_bytes))
+            )

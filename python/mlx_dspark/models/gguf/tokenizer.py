@@ -17,14 +17,15 @@ from ...errors import UserError
 def _converter():
     """(GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer) from whichever transformers is installed."""
     try:  # transformers 5.x
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
-                                                                           convert_gguf_tokenizer)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except ImportError:  # transformers 4.x
         from transformers.integrations.ggml import convert_gguf_tokenizer
         from transformers.modeling_gguf_pytorch_utils import GGUF_TO_TRANSFORMERS_MAPPING as M
 
-        GGUF_TOKENIZER_MAPPING = {"tokenizer": M["tokenizer"]["tokenizer"],
-                                  "tokenizer_config": M["tokenizer_config"]["tokenizer"]}
+        GGUF_TOKENIZER_MAPPING = {
+            "tokenizer": M["tokenizer"]["tokenizer"],
+            "tokenizer_config": M["tokenizer_config"]["tokenizer"],
+        }
     return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 
@@ -34,15 +35,20 @@ def _plain(v):
 
 def tokenizer_parts(meta: dict, mapping: dict) -> tuple[str, dict, dict]:
     """(architecture, tokenizer_dict, tokenizer_config) as transformers' GGUF path builds them."""
-    groups = {group: {name: _plain(meta[f"tokenizer.{key}"]) for key, name in renames.items()
-                      if f"tokenizer.{key}" in meta}
-              for group, renames in mapping.items()}
+    groups = {
+        group: {name: _plain(meta[f"tokenizer.{key}"]) for key, name in renames.items() if f"tokenizer.{key}" in meta}
+        for group, renames in mapping.items()
+    }
     tok, cfg = groups["tokenizer"], groups["tokenizer_config"]
     if tok.get("tokenizer_type") == "llama":
         cfg.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece vocabularies
     tokens = tok.get("tokens") or []
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
         idx = meta.get(f"tokenizer.ggml.{key}")
         cfg[name] = tokens[int(idx)] if idx is not None and int(idx) < len(tokens) else None
     return str(meta.get("general.architecture")), tok, cfg
@@ -68,8 +74,10 @@ def write_tokenizer(meta: dict, out: Path, source: str) -> None:
     except UserError:
         raise
     except Exception as e:  # an unknown tokenizer model, or a transformers without GGUF converters
-        raise UserError(f"{source}: could not build a tokenizer from its GGUF metadata "
-                        f"(tokenizer.ggml.model={meta.get('tokenizer.ggml.model')!r}; "
-                        f"{type(e).__name__}: {str(e)[:200]})") from None
+        raise UserError(
+            f"{source}: could not build a tokenizer from its GGUF metadata "
+            f"(tokenizer.ggml.model={meta.get('tokenizer.ggml.model')!r}; "
+            f"{type(e).__name__}: {str(e)[:200]})"
+        ) from None
     finally:
         hf_logging.set_verbosity(level)
