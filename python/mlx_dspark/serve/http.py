@@ -27,7 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 from .._version import __version__
 from ..errors import UserError
-from . import anthropic, openai, responses
+from . import anthropic, completions, openai, responses
 from .bodies import BodyReader, ClientGone
 from .engine import Engine, Plan
 from .metrics import Metrics
@@ -401,7 +401,7 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             return self._send_json(200, anthropic.count_tokens(engine, body))
         planner = {
             "chat": openai.plan_chat,
-            "completion": openai.plan_completion,
+            "completion": completions.plan_completion,
             "messages": anthropic.plan_messages,
             "responses": responses.plan_responses,
         }[name]
