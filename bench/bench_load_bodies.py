@@ -41,7 +41,7 @@ def main() -> int:
     from mlx_dspark.models.demo import demo_model_path
     from mlx_dspark.models.loading import load_target
     from mlx_dspark.serve.engine import Engine
-    from mlx_dspark.serve.http import make_server
+    from mlx_dspark.serve.server import make_server
 
     target, tokenizer = load_target(args.model or str(demo_model_path()))
     engine = Engine(target, tokenizer, mode="baseline")

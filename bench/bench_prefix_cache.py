@@ -29,8 +29,8 @@ EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "ev
 
 def _server(target, tok, mode, prefix_cache):
     from mlx_dspark.serve.engine import Engine
-    from mlx_dspark.serve.http import make_server
     from mlx_dspark.serve.prefix_cache import PrefixCache
+    from mlx_dspark.serve.server import make_server
 
     pc = PrefixCache(target, slots=2) if prefix_cache else None
     engine = Engine(target, tok, mode=mode, prefix_cache=pc, default_max_tokens=64)

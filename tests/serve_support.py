@@ -93,7 +93,7 @@ class LiveServer:
     ):
         from mlx_dspark.models.loading import load_target
         from mlx_dspark.serve.engine import Engine
-        from mlx_dspark.serve.http import make_server
+        from mlx_dspark.serve.server import make_server
 
         self.target, self.tokenizer = load_target(str(model_dir))
         self.script = Script(self.target, self.tokenizer)

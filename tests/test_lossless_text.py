@@ -177,7 +177,7 @@ def test_cli_text_equals_baseline_on_every_output_form(perm_eos):
 class _Server:
     def __init__(self, t, tok, drafter, mode):
         from mlx_dspark.serve.engine import Engine
-        from mlx_dspark.serve.http import make_server
+        from mlx_dspark.serve.server import make_server
 
         self.engine = Engine(
             t, tok, drafter=drafter, mode=mode, drafter_options={"lookup_drafts": False}, default_max_tokens=64

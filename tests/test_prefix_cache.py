@@ -160,7 +160,7 @@ def test_the_server_reports_reuse_in_both_dialects_and_in_metrics():
     import urllib.request
 
     from mlx_dspark.serve.engine import Engine
-    from mlx_dspark.serve.http import make_server
+    from mlx_dspark.serve.server import make_server
 
     t, tok, _ = _pair()
     servers = {}

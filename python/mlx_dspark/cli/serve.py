@@ -106,8 +106,9 @@ def run(args) -> int:
     from ..errors import UserError
     from ..serve import discovery
     from ..serve.engine import Engine
-    from ..serve.http import is_loopback_host, make_server
+    from ..serve.http import is_loopback_host
     from ..serve.metrics import Metrics
+    from ..serve.server import make_server
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s: %(message)s"
