@@ -52,9 +52,9 @@ def _zero_centred(rng, n):
     return (0.1 * rng.standard_normal(n)).astype(np.float32)
 
 
-def _qwen_hybrid(family, vocab, eos, rng, *, layers, hidden, moe):
+def _qwen_hybrid(family, vocab, eos, rng, *, layers, hidden, moe, dk=16):
     heads, kv, hd, inter = 4, 2, 16, 128
-    hk, dk, hv, dv, kernel = 2, 16, 4, 16, 4
+    hk, hv, dv, kernel = 2, 4, 16, 4
     w = _weights(rng, 0.3)
     text = {
         "hidden_size": hidden,
@@ -268,10 +268,19 @@ def _qwen3_moe(vocab, eos, rng, *, layers, hidden):
 
 
 def write_family(
-    path, family: str, *, layers: int = 4, hidden: int = 64, seed: int = 0, window: int = 8, vocab_size: int = 384
+    path,
+    family: str,
+    *,
+    layers: int = 4,
+    hidden: int = 64,
+    seed: int = 0,
+    window: int = 8,
+    vocab_size: int = 384,
+    gdn_key_dim: int = 16,
 ) -> Path:
     """A random `family` model (see FAMILIES) in its HF layout, tokenizer included.
-    `window` is gemma3_text's sliding window (short, so conversations run past it)."""
+    `window` is gemma3_text's sliding window (short, so conversations run past it);
+    `gdn_key_dim` the hybrids' GDN key head dimension (the native kernel takes multiples of 32)."""
     from fixtures import _trained_tokenizer_json, write_tokenizer
     from safetensors.numpy import save_file
 
@@ -289,7 +298,14 @@ def write_family(
         cfg, t = _qwen3_moe(vocab, eos, rng, layers=layers, hidden=hidden)
     else:
         cfg, t = _qwen_hybrid(
-            family, vocab, eos, rng, layers=layers, hidden=hidden, moe=family in ("qwen3_5_moe", "qwen3_next")
+            family,
+            vocab,
+            eos,
+            rng,
+            layers=layers,
+            hidden=hidden,
+            moe=family in ("qwen3_5_moe", "qwen3_next"),
+            dk=gdn_key_dim,
         )
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})

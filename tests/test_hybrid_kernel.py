@@ -1,5 +1,7 @@
 """The GDN replay kernel: its pure-MLX reference against mlx-lm's recurrence, compile checks of
-the CUDA and Metal instances on Linux, and (on a device) parity and T-invariance of the kernel."""
+the CUDA and Metal instances on Linux, the body run on CPU threads, the hybrid rollback's kernel
+route (a stand-in on the CPU; the kernel itself on CUDA), and on a device parity and position
+invariance of the kernel."""
 
 from __future__ import annotations
 
@@ -118,3 +120,163 @@ def test_kernel_parity_and_position_invariance(dtype, shape):
             sl = slice(t, t + 1)
             s = gr.gdn_replay_gpu(x["k"][:, sl], x["v"][:, sl], x["g"][:, sl], x["beta"][:, sl], s, lang=lang)
         assert np.array_equal(np.array(s), np.array(got))
+
+
+def test_gpu_body_runs_on_cpu_threads(tmp_path):
+    """The body itself (not a reference) on the CPU, one std::thread per lane, SIMD shuffles
+    emulated (tests/emulation/gdn_replay_emu.cpp): matches a float64 delta rule, and one
+    7-position call is bitwise 7 one-position calls (what makes a replay equal plain steps)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    gxx = shutil.which("g++")
+    assert gxx, "g++ is needed (MLX's CPU backend compiles its kernels with it)"
+    src = Path(__file__).parent / "emulation" / "gdn_replay_emu.cpp"
+    exe = tmp_path / "emu"
+    subprocess.run(
+        [gxx, "-std=c++20", "-O1", "-pthread", "-I", str(gs.GPU_DIR), str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("OK"), run.stdout + run.stderr
+
+
+def _kernel_target(tmp_path, name="qwen3_5", seed=3):
+    from family_fixtures import write_family
+
+    import mlx_dspark as md
+
+    path = write_family(tmp_path / name, name, seed=seed, gdn_key_dim=32)
+    return md.load_target(str(path), dtype="float32")
+
+
+def _verify_rewind_vs_plain(tgt, prompt, block, n):
+    from mlx_dspark.models import hybrid
+
+    wide, plain = tgt.make_cache(), tgt.make_cache()
+    for c in (wide, plain):
+        tgt.forward(mx.array([prompt]), c)
+    tgt.forward(mx.array([block]), wide)
+    tgt.trim(wide, n)
+    for t in block[: len(block) - n]:
+        tgt.forward(mx.array([[t]]), plain)
+    a, b = hybrid._states(wide), hybrid._states(plain)
+    assert len(a) == len(b) and len(a) > 0
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and np.array_equal(np.array(x), np.array(y))  # bitwise
+
+
+@pytest.fixture
+def stand_in_kernel(monkeypatch):
+    """The CUDA route on the CPU: replay_path says cuda, and the kernel launch is the reference
+    (position-invariant like the kernel). Counts the positions each launch covered."""
+    calls = []
+
+    def fake(q, k, v, g, beta, state, lang="cuda"):
+        assert lang == "cuda" and state.dtype == mx.float32 and g.dtype == mx.float32
+        calls.append(k.shape[1])
+        y, s = gr.gdn_recurrence_reference(q, k, v, g, beta, state)
+        return (None if q is None else y.astype(mx.float32)), s
+
+    monkeypatch.setattr(gr, "replay_path", lambda: "cuda")
+    monkeypatch.setattr(gr, "gdn_recurrence_gpu", fake)
+    return calls
+
+
+def test_the_cuda_route_records_and_replays_through_the_kernel(tmp_path, stand_in_kernel):
+    """With the kernel route on, every GDN forward and the replay go through the kernel launch,
+    the rollback still rebuilds plain decoding's state bitwise, and speculation is lossless."""
+    from test_loop import _ScriptedProposer
+
+    import mlx_dspark as md
+
+    tgt, tok = _kernel_target(tmp_path)
+    assert tgt.rollback_kind == "replay"
+    stand_in_kernel.clear()
+    _verify_rewind_vs_plain(tgt, [5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2], 4)
+    assert 7 in stand_in_kernel and 3 in stand_in_kernel  # the verify forward and the 3-position replay
+    ids = md.encode_prompt(tok, "the fox def add hello world")
+    base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=30)
+    for run in (
+        md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=30, max_draft=4),
+        md.generate(
+            tgt, tok, None, prompt_ids=ids, proposer=_ScriptedProposer(base.tokens + [0] * 64), max_new_tokens=30
+        ),
+    ):
+        assert run.tokens == base.tokens and run.text == base.text
+
+
+def test_the_kernel_route_can_be_turned_off(tmp_path, stand_in_kernel, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_GDN_KERNEL", "0")
+    tgt, _ = _kernel_target(tmp_path, seed=4)
+    stand_in_kernel.clear()
+    _verify_rewind_vs_plain(tgt, [5, 9, 13], [3, 1, 4], 2)
+    assert stand_in_kernel == []
+
+
+def test_small_key_heads_keep_mlx_lm_recurrence(tmp_path, stand_in_kernel):
+    """Dk = 16 is not a multiple of 32: the kernel does not take it, mlx-lm's recurrence runs."""
+    from family_fixtures import write_family
+
+    import mlx_dspark as md
+
+    tgt, _ = md.load_target(str(write_family(tmp_path / "small", "qwen3_5", seed=5)), dtype="float32")
+    stand_in_kernel.clear()
+    _verify_rewind_vs_plain(tgt, [5, 9], [3, 1, 4], 1)
+    assert stand_in_kernel == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_cuda_rollback_runs_the_kernel_and_is_bitwise(tmp_path, name):
+    """On CUDA: the fixture's GDN layers run the native kernel, a verify forward rewound to any
+    accept point equals plain steps bitwise, and speculation equals baseline."""
+    from test_loop import _ScriptedProposer
+
+    import mlx_dspark as md
+
+    mx.set_default_device(mx.gpu)
+    try:
+        tgt, tok = _kernel_target(tmp_path, name)
+        assert tgt.rollback_kind == "replay"
+        c = tgt.make_cache()
+        tgt.forward(mx.array([[1, 2, 3]]), c)
+        assert {getattr(getattr(x, "round", None), "kernel", None) for x in c} >= {"cuda"}
+        for n in range(0, 8):
+            _verify_rewind_vs_plain(tgt, [5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], n)
+        ids = md.encode_prompt(tok, "the fox def add hello world")
+        base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=30)
+        prop = _ScriptedProposer(base.tokens + [0] * 64)
+        run = md.generate(tgt, tok, None, prompt_ids=ids, proposer=prop, max_new_tokens=30)
+        assert run.tokens == base.tokens and run.text == base.text
+    finally:
+        mx.set_default_device(mx.cpu)
+
+
+def test_a_kernel_that_fails_its_self_check_is_not_used(tmp_path, monkeypatch):
+    """A kernel whose state depends on the call's width (or that fails to compile) is caught by
+    the once-per-process self-check: a warning, and the model keeps mlx-lm's recurrence."""
+    calls = []
+
+    def drifting(q, k, v, g, beta, state, lang="cuda"):
+        calls.append(k.shape[1])
+        y, s = gr.gdn_recurrence_reference(q, k, v, g, beta, state)
+        return y, s * (1.0 + 1e-7 * k.shape[1])  # bits that depend on T
+
+    monkeypatch.setattr(gr, "replay_path", lambda: "cuda")
+    monkeypatch.setattr(gr, "gdn_recurrence_gpu", drifting)
+    gr.self_check.cache_clear()
+    try:
+        assert "depends on how many positions" in gr.self_check("cuda")
+        with pytest.warns(RuntimeWarning, match="keep mlx-lm's recurrence"):
+            tgt, _ = _kernel_target(tmp_path, seed=6)
+            assert tgt.rollback_kind == "replay"
+        calls.clear()
+        _verify_rewind_vs_plain(tgt, [5, 9], [3, 1, 4], 1)
+        assert calls == []
+    finally:
+        gr.self_check.cache_clear()

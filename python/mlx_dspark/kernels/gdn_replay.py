@@ -9,13 +9,14 @@ body (kernels/gpu/gdn_replay.h) is written once over ds_portable.h and instanced
 (`mx.fast.cuda_kernel`) and Metal (`mx.fast.metal_kernel`); the reference is the same arithmetic
 as mlx-lm's `_gated_delta_step_ops` loop.
 
-Not wired into models/hybrid.py yet, on purpose: the rollback must rebuild the state plain
-decoding holds bitwise, and plain decoding runs mlx-lm's own recurrence (its ops loop on CPU and
-CUDA, its Metal kernel on Apple GPUs). This kernel sums in its own order, so it may only replace
-the replay where the plain path runs the same kernel, i.e. once the recording forward routes
-every GDN forward (plain step, verify, replay) through it on a GPU. Parity against the reference
-(to float32 rounding) runs on a device (tests/test_hybrid_kernel.py); both instances are
-compile-checked on Linux.
+Wired into models/hybrid.py on MLX's CUDA backend only: the rollback must rebuild the state
+plain decoding holds bitwise, and this kernel sums in its own order, so it replaces mlx-lm's
+recurrence in every GDN forward of a Target there (plain step, verify, replay alike). On CUDA
+mlx-lm's recurrence is an ops loop (several launches per position); on Metal mlx-lm's own kernel
+is already one position-invariant launch, so the Metal instance is compile-checked, not used; on
+the CPU the reference (mlx-lm's ops) runs. Parity against the reference (to float32 rounding)
+and position invariance run on a device (tests/test_hybrid_kernel.py) and, for the body itself,
+on CPU threads (tests/emulation/gdn_replay_emu.cpp); both instances are compile-checked on Linux.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import mlx.core as mx
 
 from .gpu_source import GPU_DIR, Instance
 
-THREADS = 64  # DS_GR_THREADS
+THREADS = 128  # DS_GR_THREADS: 4 state rows of 32 lanes per threadgroup
 MAX_DK = 256  # DS_GR_MAX_DK
 INPUTS, OUTPUTS = ("q", "k", "v", "g", "beta", "state"), ("out", "y")
 
@@ -36,10 +37,17 @@ _CALL = """  const int B = state_shape[0];
   const int Dk = state_shape[3];
   const int T = k_shape[1];
   const int Hk = k_shape[2];
-  if (row < B * Hv * Dv) ds_gr_row<WITH_Y>(q, k, v, g, beta, state, out, y, T, Hk, Hv, Dk, Dv, row);
+  if (row < B * Hv * Dv) ds_gr_row<WITH_Y>(q, k, v, g, beta, state, out, y, T, Hk, Hv, Dk, Dv, row, lane);
 """
-_CUDA_LAUNCH = "  const int row = (int)(blockIdx.x * blockDim.x + threadIdx.x);\n"
-_METAL_LAUNCH = "  const int row = (int)thread_position_in_grid.x;\n"
+# one warp per state row: whole warps share a row, so an out-of-range warp skips as a whole
+_CUDA_LAUNCH = (
+    "  const int gid = (int)(blockIdx.x * blockDim.x + threadIdx.x);\n"
+    "  const int row = gid / 32;\n  const uint lane = threadIdx.x & 31u;\n"
+)
+_METAL_LAUNCH = (
+    "  const int gid = (int)thread_position_in_grid.x;\n"
+    "  const int row = gid / 32;\n  const uint lane = thread_index_in_simdgroup;\n"
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,6 +108,7 @@ def supported(k: mx.array, v: mx.array, state: mx.array) -> bool:
         and v.ndim == 4
         and state.ndim == 4
         and k.shape[-1] <= MAX_DK
+        and k.shape[-1] % 32 == 0
         and state.dtype == mx.float32
         and v.shape[2] % k.shape[2] == 0
     )
@@ -112,7 +121,7 @@ def gdn_recurrence_gpu(
     B, Hv, Dv, Dk = state.shape
     T = k.shape[1]
     rows = B * Hv * Dv
-    grid = -(-rows // THREADS) * THREADS
+    grid = -(-(rows * 32) // THREADS) * THREADS
     with_y = q is not None
     out, y = _kernel(lang)(
         inputs=[q if with_y else k, k, v, g, beta, state],
@@ -140,6 +149,36 @@ def replay_path() -> str:
     if mx.metal.is_available():
         return "metal"
     return "reference"
+
+
+@functools.lru_cache(maxsize=None)
+def self_check(lang: str) -> str | None:
+    """Run the kernel once on small random inputs: None when it matches the reference (to float32
+    rounding) and one 5-position call is bitwise five one-position calls, else what went wrong.
+    Callers route a model through the kernel only after this passed (once per process)."""
+    import numpy as np
+
+    try:
+        rng = np.random.default_rng(0)
+        f = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+        T, Hk, Hv, Dk, Dv = 5, 2, 4, 64, 8
+        q, k, v, state = f(1, T, Hk, Dk) * 0.125, f(1, T, Hk, Dk) * 0.125, f(1, T, Hv, Dv), f(1, Hv, Dv, Dk) * 0.1
+        g, beta = mx.sigmoid(f(1, T, Hv)) * 0.5 + 0.5, mx.sigmoid(f(1, T, Hv))
+        y, s = gdn_recurrence_gpu(q, k, v, g, beta, state, lang=lang)
+        y_ref, s_ref = gdn_recurrence_reference(q, k, v, g, beta, state)
+        if not (
+            mx.allclose(s, s_ref, rtol=1e-4, atol=1e-5).item() and mx.allclose(y, y_ref, rtol=1e-4, atol=1e-5).item()
+        ):
+            return "the native GDN kernel does not match its reference"
+        one = state
+        for t in range(T):
+            sl = slice(t, t + 1)
+            one = gdn_recurrence_gpu(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], one, lang=lang)[1]
+        if not mx.array_equal(one, s).item():
+            return "the native GDN kernel's state depends on how many positions a call covers"
+    except Exception as e:  # a JIT failure must not take the model down: mlx-lm's path remains
+        return f"the native GDN kernel failed to run ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    return None
 
 
 def gdn_replay(k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array) -> mx.array:

@@ -16,6 +16,14 @@ for bit, wherever the recurrence is computed per position the same way at any le
 ops path on CPU and CUDA; its Metal kernel loops over positions). `prove_replay` checks exactly
 that on the loaded model before speculation is allowed on it.
 
+On MLX's CUDA backend mlx-lm's recurrence is its ops loop (several launches per position), so
+there every GDN forward of a Target (prefill, plain step, verify) and the replay run one native
+kernel instead (kernels/gdn_replay.py, `MLX_DSPARK_GDN_KERNEL=0` turns it off): its arithmetic
+per position does not depend on how many positions a call covers, so a replay of m positions is
+bitwise the m plain steps that also ran it. It sums in its own order, so there the forward is
+mlx-lm's to float32 rounding, not bitwise. On the CPU and on Metal (where mlx-lm's own kernel
+already loops over positions in one launch) mlx-lm's `gated_delta_update` stays.
+
 The recording forward is installed on each GDN module instance by giving it a subclass (as the
 taps in target.py do): it is the family's own forward, step for step, with the recording added;
 `prove_replay` compares its logits with mlx-lm's own forward bitwise. Batched caches (lengths or
@@ -24,6 +32,7 @@ left padding set) go through the family's forward untouched and cannot be rewoun
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +41,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from ..compat import retype_modules
+from ..kernels import gdn_replay
 
 _FAMILY_GDN = ("GatedDeltaNet", "Qwen3NextGatedDeltaNet")  # class names of the supported GDN modules
 
@@ -48,6 +58,9 @@ class GDNRound:
     width: int
     module: Any  # the GDN module (A_log, dt_bias, conv kernel size)
     update: Callable  # the family's gated_delta_update
+    g: mx.array | None = None  # the decays and betas the native kernel consumed (kernel rounds only)
+    beta: mx.array | None = None
+    kernel: str | None = None  # "cuda" when the round ran kernels/gdn_replay.py, else None
 
 
 class ReplayArraysCache(ArraysCache):
@@ -77,6 +90,12 @@ class ReplayArraysCache(ArraysCache):
         self[0] = mx.contiguous(r.conv_input[:, m : m + keep, :])
         if m == 0:
             self[1] = r.state_before
+            return
+        if r.kernel is not None:  # the same instance (with y) as the forward: bitwise its state
+            sl = slice(0, m)
+            self[1] = gdn_replay.gdn_recurrence_gpu(
+                r.q[:, sl], r.k[:, sl], r.v[:, sl], r.g[:, sl], r.beta[:, sl], r.state_before, lang=r.kernel
+            )[1]
             return
         _, state = r.update(
             r.q[:, :m],
@@ -138,12 +157,48 @@ def _recording_call(self, inputs, mask=None, cache=None, *, _base, _globals):
     state = cache[1]
     q, k = _globals["normalize_qk"](q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
     update = _globals["gated_delta_update"]
-    out, new_state = update(q, k, v, a, b, self.A_log, self.dt_bias, state, None, use_kernel=not self.training)
-    cache.round = GDNRound(conv_input, q, k, v, a, b, state, S, self, update)
+    lang = kernel_lang(self, k, v)
+    if lang is None:
+        out, new_state = update(q, k, v, a, b, self.A_log, self.dt_bias, state, None, use_kernel=not self.training)
+        cache.round = GDNRound(conv_input, q, k, v, a, b, state, S, self, update)
+    else:
+        if state is None:
+            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), dtype=mx.float32)
+        g, beta = _globals["compute_g"](self.A_log, a, self.dt_bias), mx.sigmoid(b)
+        y, new_state = gdn_replay.gdn_recurrence_gpu(q, k, v, g, beta, state, lang=lang)
+        out = y.astype(q.dtype)
+        cache.round = GDNRound(conv_input, q, k, v, a, b, state, S, self, update, g, beta, lang)
     cache[1] = new_state
     cache.advance(S)
     out = self.norm(out, z)
     return self.out_proj(out.reshape(B, S, -1))
+
+
+def kernel_lang(module, k: mx.array, v: mx.array) -> str | None:
+    """Where this GDN forward runs kernels/gdn_replay.py's native recurrence: "cuda" on MLX's CUDA
+    backend in eval mode for shapes the kernel takes (unless MLX_DSPARK_GDN_KERNEL=0), else None
+    (mlx-lm's gated_delta_update)."""
+    import os
+
+    if module.training or os.environ.get("MLX_DSPARK_GDN_KERNEL", "1") == "0":
+        return None
+    if gdn_replay.replay_path() != "cuda":
+        return None
+    probe = mx.zeros((1, 1, 1, 1), dtype=mx.float32)  # the state the kernel keeps is float32
+    if not gdn_replay.supported(k, v, probe):
+        return None
+    why = gdn_replay.self_check("cuda")
+    if why is not None:
+        _warn_once(f"{why}; hybrid layers keep mlx-lm's recurrence (rollback replays it, slower)")
+        return None
+    return "cuda"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    import warnings
+
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def gdn_modules(layers) -> list:
@@ -167,6 +222,10 @@ def install_recording(layers) -> str | None:
         g = base.__call__.__globals__
         if "gated_delta_update" not in g or "normalize_qk" not in g:
             return f"{base.__module__} no longer calls gated_delta_update / normalize_qk"
+        if "compute_g" not in g:
+            from mlx_lm.models.gated_delta import compute_g
+
+            g = dict(g, compute_g=compute_g)
 
         def call(self, inputs, mask=None, cache=None, __base=base, __g=g):
             return _recording_call(self, inputs, mask, cache, _base=__base, _globals=__g)
@@ -209,9 +268,13 @@ def prove_replay(model, make_cache: Callable[[], list], vocab: int) -> str | Non
 
     ids = mx.array([[(29 * i + 7) % max(vocab, 2) for i in range(12)]], dtype=mx.int32)
     ref = model(ids, cache=make_prompt_cache(model))
-    ours = model(ids, cache=make_cache())
+    rec = make_cache()
+    ours = model(ids, cache=rec)
     if not mx.array_equal(ref, ours).item():
-        return "the recording forward of its recurrent layers does not reproduce mlx-lm's logits bitwise"
+        if not any(getattr(getattr(c, "round", None), "kernel", None) for c in rec):
+            return "the recording forward of its recurrent layers does not reproduce mlx-lm's logits bitwise"
+        if not _close(ours, ref):  # the native recurrence sums in its own order: close, not bitwise
+            return "the native GDN kernel's forward differs from mlx-lm's beyond the dtype's precision"
     from . import sliding
 
     wide, plain = make_cache(), make_cache()
