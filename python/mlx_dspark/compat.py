@@ -125,3 +125,25 @@ def compile_before_threads(tokenizer) -> None:
             )
         except Exception:  # a template that needs more than this; requests will say why
             pass
+
+
+def route_row_attention() -> None:
+    """mlx-lm (0.32.x) attention layers pass whatever their cache's update_and_fetch returned as
+    keys and values to mx.fast.scaled_dot_product_attention (MLX 0.32.x), looked up at call time.
+    decode/batch.py's RowsCache returns an object holding each batch row's own keys and values
+    (it has `row_attention`); make sure the outermost wrapper of that attribute hands such a
+    call to it, which attends row by row through the wrapped function. Called before every
+    batched forward (cheap): a wrapper installed later (the invariant routing) is wrapped again."""
+    import mlx.core as mx
+
+    current = mx.fast.scaled_dot_product_attention
+    if getattr(current, "_rows_aware", False):
+        return
+
+    def scaled_dot_product_attention(q, k, v, *args, scale=None, mask=None, **kwargs):
+        if hasattr(k, "row_attention"):
+            return k.row_attention(q, scale, current)
+        return current(q, k, v, *args, scale=scale, mask=mask, **kwargs)
+
+    scaled_dot_product_attention._rows_aware = True
+    mx.fast.scaled_dot_product_attention = scaled_dot_product_attention

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from .. import kernels
+from ..kernels import cpu_attention
 from ..models.target import Target
 from .accept import make_acceptor
 from .proposers import Draft, Proposer
@@ -93,7 +94,7 @@ def _prefill(
     n = len(prompt)
     for start in range(0, n - 1, PREFILL_CHUNK):
         chunk = ids[start : min(start + PREFILL_CHUNK, n - 1)][None]
-        with kernels.prefill_context(target, chunk.shape[1]):
+        with kernels.prefill_context(target, chunk.shape[1]), cpu_attention.active():
             out = target.forward(chunk, cache, taps=taps, last_only=True)
         if out.hidden is not None:
             hidden_parts.append(out.hidden[0])
@@ -115,6 +116,18 @@ class Commit:
 
     tokens: list[int]
     text: str = ""
+
+
+@dataclass
+class Feed:
+    """What a step feeds the target: `tokens` [width] (int32; a plain step's pending token is
+    still lazy) over the generation's cache, with `taps`; `finish(out)` takes that forward's
+    ForwardOut (logits [1, width, V], hidden [1, width, T] or None) and returns the Commit."""
+
+    tokens: mx.array
+    width: int
+    taps: tuple
+    finish: Callable
 
 
 @dataclass
@@ -202,7 +215,10 @@ class Generation:
             return self._prefill()
         t = time.perf_counter()
         try:
-            return self._round()
+            feed = self.plan()
+            if isinstance(feed, Commit):
+                return feed
+            return feed.finish(self.target.forward(feed.tokens.reshape(1, -1), self.cache, taps=feed.taps))
         finally:
             self.res.decode_s += time.perf_counter() - t
 
@@ -292,8 +308,13 @@ class Generation:
             self._finish()
         return Commit([])
 
-    def _round(self) -> Commit:
-        target, cache, acceptor, taps = self.target, self.cache, self.acceptor, self.taps
+    def plan(self) -> "Feed | Commit":
+        """The next step up to its target forward: a Feed (the tokens to feed over `self.cache`,
+        and `finish(out)`, which completes the step from that forward), or a Commit when the
+        step ended without one (the pending token ended the generation). `step()` runs the Feed
+        alone; decode/batch.py runs the Feeds of several generations in one forward. Only for a
+        prefilled generation that is not done."""
+        target, cache, acceptor = self.target, self.cache, self.acceptor
         remaining = self.max_new_tokens - len(self.res.tokens)
         plain = (
             self.pending is not None
@@ -302,22 +323,8 @@ class Generation:
             and not (self.speculate and self.proposer.wants_round(self.history))
         )
         if plain:
-            # Pipelined plain step: enqueue the forward of the pending token, then read it back.
-            out = target.forward(self.pending.reshape(1, 1), cache, taps=taps)
-            nxt = acceptor.sample(out.logits[0, -1], self.history)
-            mx.async_eval(nxt)
-            tok = int(self.pending.item())
-            self._fed([tok], out.hidden[0] if taps else None)
-            commit = self._commit([tok], self.pending_row, 0, self.pending_is_round)
-            if self.done:
-                if target.can_trim(cache, 1):
-                    self._trim(1)  # the pending token's forward was not needed
-                return commit
-            if taps:
-                self.proposer.observe(0, 0, out.hidden[0])
-            self.pending, self.pending_is_round = nxt, True
-            self.pending_row = out.logits[0, -1:] if self.sampling.logprobs else None
-            return commit
+            # Pipelined plain step: the forward of the pending token is enqueued before it is read back.
+            return Feed(self.pending.reshape(1), 1, self.taps, self._finish_plain)
 
         first = Commit([])
         if self.pending is not None:
@@ -331,7 +338,7 @@ class Generation:
         draft = Draft()
         if k > 0 and self.speculate and not target.can_trim(cache, k):
             _switch_off(self.res, target, cache)  # e.g. a sliding window that has filled up
-            self.speculate, self.taps, taps = False, (), ()
+            self.speculate, self.taps = False, ()
         if k > 0 and self.speculate:
             draft = self.proposer.propose(self.history, k, self.sampling)
             draft.tokens = [int(t) for t in draft.tokens[:k]]
@@ -339,18 +346,47 @@ class Generation:
                 draft.q = draft.q[: len(draft.tokens)]
         if not draft.tokens:
             # Synchronous plain step (the proposer declined after all).
-            out = target.forward(mx.array([[anchor]], dtype=mx.int32), cache, taps=taps)
-            self._fed([anchor], out.hidden[0] if taps else None)
-            if taps:
-                self.proposer.observe(0, 0, out.hidden[0])
-            self.pending = acceptor.sample(out.logits[0, -1], self.history)
-            self.pending_row = out.logits[0, -1:] if self.sampling.logprobs else None
-            self.pending_is_round = True
-            return first
+            return Feed(
+                mx.array([anchor], dtype=mx.int32), 1, self.taps, lambda out: self._finish_sync(out, anchor, first)
+            )
+        block = [anchor] + draft.tokens
+        return Feed(
+            mx.array(block, dtype=mx.int32),
+            len(block),
+            self.taps,
+            lambda out: self._finish_round(out, anchor, draft, first),
+        )
 
-        k = len(draft.tokens)
-        out = target.forward(mx.array([[anchor] + draft.tokens], dtype=mx.int32), cache, taps=taps)
-        n_acc, nxt_tok = acceptor.verify(out.logits[0], draft, self.history)
+    def _finish_plain(self, out) -> Commit:
+        target, cache, taps = self.target, self.cache, self.taps
+        nxt = self.acceptor.sample(out.logits[0, -1], self.history)
+        mx.async_eval(nxt)
+        tok = int(self.pending.item())
+        self._fed([tok], out.hidden[0] if taps else None)
+        commit = self._commit([tok], self.pending_row, 0, self.pending_is_round)
+        if self.done:
+            if target.can_trim(cache, 1):
+                self._trim(1)  # the pending token's forward was not needed
+            return commit
+        if taps:
+            self.proposer.observe(0, 0, out.hidden[0])
+        self.pending, self.pending_is_round = nxt, True
+        self.pending_row = out.logits[0, -1:] if self.sampling.logprobs else None
+        return commit
+
+    def _finish_sync(self, out, anchor: int, first: Commit) -> Commit:
+        taps = self.taps
+        self._fed([anchor], out.hidden[0] if taps else None)
+        if taps:
+            self.proposer.observe(0, 0, out.hidden[0])
+        self.pending = self.acceptor.sample(out.logits[0, -1], self.history)
+        self.pending_row = out.logits[0, -1:] if self.sampling.logprobs else None
+        self.pending_is_round = True
+        return first
+
+    def _finish_round(self, out, anchor: int, draft: Draft, first: Commit) -> Commit:
+        taps, k = self.taps, len(draft.tokens)
+        n_acc, nxt_tok = self.acceptor.verify(out.logits[0], draft, self.history)
         self._fed([anchor] + draft.tokens, out.hidden[0] if taps else None)
         self._trim(k - n_acc)
         self.proposer.observe(k, n_acc, out.hidden[0, : n_acc + 1] if taps else None)

@@ -1,0 +1,235 @@
+"""Several generations, one target forward: the rows of a batch.
+
+Each generation (decode/loop.py's Generation) keeps its own target cache, proposer, acceptor and
+text; nothing about a round changes. `step_rows` asks every generation for its next Feed
+(`Generation.plan()`: a plain step's pending token, or an anchor plus its draft), runs all the
+Feeds as the rows of ONE target forward, and hands each generation its own rows back
+(`Feed.finish(out)`), so the verify loop is still the one in loop.py.
+
+Why a row computes exactly what it computes alone:
+  * the rows of a forward of shape [B, L] are the tokens of each generation, right-padded to the
+    widest row (padding is never written to any cache and its outputs are dropped);
+  * every layer gets a `RowsCache` over the rows' own mlx-lm KVCache layers: RoPE reads each
+    row's offset, each row's new keys and values are written into its own cache, and attention
+    runs row by row over that row's cache with the shapes of the solo forward
+    (compat.route_row_attention): the native forward's (width w, mask "causal" for w > 1), or,
+    on a target that decodes at a fixed width W (models/invariance.py), the W-blocks of the
+    invariant op that the fixed-width forward runs;
+  * the other ops (embedding, norms, the projections, the MLP, the lm_head) are row-wise; their
+    rows must not depend on how many rows the matmul has. That is a property of the backend,
+    so it is measured, not assumed: `check(target)` compares batched rows with solo forwards
+    bitwise once per target (as the width-invariance check does), and a target that fails it
+    does not batch (`refusal`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..models.target import ForwardOut, Target
+from .loop import Commit, Feed, Generation
+
+
+class _RowKV:
+    """What a RowsCache hands mlx-lm's attention in place of keys and values: every row's own
+    keys and values. compat.route_row_attention sees it and calls `row_attention`."""
+
+    def __init__(self, keys: list, values: list, widths: Sequence[int], fixed_width: int):
+        self.keys, self.values, self.widths, self.fixed_width = keys, values, list(widths), fixed_width
+
+    def row_attention(self, q: mx.array, scale: float, sdpa) -> mx.array:
+        """q [B, H, L, D] -> [B, H, L, D]: row b's queries over row b's keys, as its solo forward
+        computes them (pad rows are zeros)."""
+        B, H, L, D = q.shape
+        outs = []
+        for b, w in enumerate(self.widths):
+            qb, kb, vb = q[b : b + 1, :, :w], self.keys[b], self.values[b]
+            if self.fixed_width:
+                ob = _fixed_blocks(qb, kb, vb, scale, sdpa, self.fixed_width)
+            else:
+                ob = sdpa(qb, kb, vb, scale=scale, mask="causal" if w > 1 else None)
+            if w < L:
+                ob = mx.concatenate([ob, mx.zeros((1, H, L - w, D), dtype=ob.dtype)], axis=2)
+            outs.append(ob)
+        return mx.concatenate(outs, axis=0)
+
+
+def _fixed_blocks(qb, kb, vb, scale, sdpa, W: int) -> mx.array:
+    """Attention of one row as models/invariance.forward_fixed computes it: consecutive blocks
+    of exactly W queries (the last one padded), each over the keys up to its block's end (padded
+    alike), through the invariant op. Pad queries and pad keys lie past every real row's causal
+    reach, so the real rows see exactly the shapes and keys of the solo forward."""
+    from ..kernels import invariant
+
+    _, H, w, D = qb.shape
+    start = kb.shape[2] - w  # the row's cache length before this forward
+    parts = []
+    with invariant.active():
+        for s in range(0, w, W):
+            n = min(W, w - s)
+            q_blk, k_blk, v_blk = qb[:, :, s : s + n], kb[:, :, : start + s + n], vb[:, :, : start + s + n]
+            if n < W:
+                zq = mx.zeros((1, H, W - n, D), dtype=qb.dtype)
+                zk = mx.zeros((1, kb.shape[1], W - n, D), dtype=kb.dtype)
+                q_blk = mx.concatenate([q_blk, zq], axis=2)
+                k_blk, v_blk = mx.concatenate([k_blk, zk], axis=2), mx.concatenate([v_blk, zk], axis=2)
+            out = sdpa(q_blk, k_blk, v_blk, scale=scale, mask="causal" if W > 1 else None)
+            parts.append(out[:, :, :n])
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+class RowsCache:
+    """One layer's cache for a batched forward: `rows[b]` is row b's own KVCache layer, which
+    takes the first `widths[b]` positions of the forward (the rest of the row is padding)."""
+
+    def __init__(self, rows: list, widths: Sequence[int], fixed_width: int = 0):
+        self.rows, self.widths, self.fixed_width = rows, list(widths), fixed_width
+        self.offset = mx.array([int(c.offset) for c in rows], dtype=mx.int32)  # RoPE per row
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        return None  # each row's attention picks its own mask (_RowKV.row_attention)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        ks, vs = [], []
+        for b, (c, w) in enumerate(zip(self.rows, self.widths)):
+            k, v = c.update_and_fetch(keys[b : b + 1, :, :w], values[b : b + 1, :, :w])
+            ks.append(k)
+            vs.append(v)
+        kv = _RowKV(ks, vs, self.widths, self.fixed_width)
+        return kv, kv
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    @property
+    def state(self) -> list:
+        return [a for c in self.rows for a in c.state]
+
+
+def _row_hidden(hidden: mx.array | None, b: int, w: int, all_taps: tuple, taps: tuple, H: int):
+    if not taps or hidden is None:
+        return None
+    rows = hidden[b : b + 1, :w]
+    if tuple(taps) == all_taps:
+        return rows
+    return mx.concatenate([rows[..., all_taps.index(t) * H : (all_taps.index(t) + 1) * H] for t in taps], axis=-1)
+
+
+def forward_rows(target: Target, rows: Sequence[tuple[list, Feed]]) -> list[ForwardOut]:
+    """One target forward over the Feeds of several generations, (cache, feed) each; returns each
+    row's ForwardOut as the generation's own forward shapes it ([1, width, V], [1, width, T]).
+    A single row runs the target's own forward (a lone request takes exactly the serial path)."""
+    if len(rows) == 1:
+        cache, f = rows[0]
+        return [target.forward(f.tokens.reshape(1, -1), cache, taps=f.taps)]
+    from ..compat import route_row_attention
+
+    route_row_attention()
+    widths = [f.width for _, f in rows]
+    L = max(widths)
+    pad = lambda t, w: t if w == L else mx.concatenate([t.astype(mx.int32), mx.zeros((L - w,), dtype=mx.int32)])
+    tokens = mx.stack([pad(f.tokens.reshape(-1), f.width) for _, f in rows])
+    all_taps = tuple(sorted({t for _, f in rows for t in f.taps}))
+    n_layers = len(rows[0][0])
+    caches = [RowsCache([c[layer] for c, _ in rows], widths, target.decode_width) for layer in range(n_layers)]
+    if target.decode_width or getattr(target, "invariant_kernels", False):
+        from ..kernels import invariant
+
+        with invariant.active():  # what the target's own decode forward runs under
+            out = target.forward(tokens, caches, taps=all_taps)
+    else:
+        out = target.forward(tokens, caches, taps=all_taps)
+    H = target.hidden_size
+    return [
+        ForwardOut(out.logits[b : b + 1, :w], _row_hidden(out.hidden, b, w, all_taps, tuple(f.taps), H))
+        for b, (w, (_, f)) in enumerate(zip(widths, rows))
+    ]
+
+
+def step_rows(gens: Sequence[Generation]) -> list[Commit]:
+    """One step of every generation in `gens` (each prefilled and not done), their target
+    forwards run as one. Returns each generation's Commit, in order; each one's decode time
+    grows by the step's wall time."""
+    t0 = time.perf_counter()
+    commits: list[Commit | None] = [None] * len(gens)
+    feeds: list[tuple[int, Feed]] = []
+    for i, g in enumerate(gens):
+        if g.done or not g.prefilled:
+            raise RuntimeError("step_rows steps prefilled generations that are not done")
+        p = g.plan()
+        if isinstance(p, Commit):
+            commits[i] = p
+        else:
+            feeds.append((i, p))
+    if feeds:
+        outs = forward_rows(gens[feeds[0][0]].target, [(gens[i].cache, f) for i, f in feeds])
+        for (i, f), out in zip(feeds, outs):
+            commits[i] = f.finish(out)
+    dt = time.perf_counter() - t0
+    for g in gens:
+        g.res.decode_s += dt
+    return commits
+
+
+# ------------------------------------------------------------------------------ can it batch
+def static_refusal(target: Target) -> str | None:
+    """Why this target's forwards cannot be batched at all (None: they may, subject to check())."""
+    from mlx_lm.models.cache import KVCache
+
+    if target.kv_bits:
+        return "a quantized KV cache (--kv-bits) does not batch yet"
+    kinds = {type(c).__name__ for c in target.make_cache()}
+    if kinds != {KVCache.__name__}:
+        return f"batching needs plain KV caches; this target has {', '.join(sorted(kinds))}"
+    return None
+
+
+def check(target: Target, max_batch: int = 4, max_width: int = 8) -> str | None:
+    """Measure, once per target, that batched rows equal solo forwards bitwise (logits, tapped
+    rows, and the next forward over the caches they wrote). None when they do, else why not."""
+    key = (max_batch, max_width)
+    done = getattr(target, "_batch_checked", {})
+    if key in done:
+        return done[key]
+    why = static_refusal(target)
+    if why is None and not _rows_match(target, max(min(max_batch, 8), 2), max(max_width, 1)):
+        why = (
+            f"a batched forward does not compute each row as the request alone would on {mx.default_device()} "
+            "(measured at load)"
+        )
+    done[key] = why
+    target._batch_checked = done
+    return why
+
+
+def _rows_match(target: Target, B: int, max_width: int) -> bool:
+    vocab = max(target.vocab_size, 2)
+    taps = tuple(sorted({0, target.num_layers - 1}))
+    lens = [23 + 7 * b for b in range(B)]
+    width_cycle = [max_width, 1, 3, max_width // 2 + 1, 2]
+    rounds = [[width_cycle[b % len(width_cycle)] for b in range(B)], [1] * B]
+
+    def ids(b, n, start):
+        return [(31 * (i + start) + 7 * b + 5) % vocab for i in range(n)]
+
+    def prefilled(b):
+        cache = target.make_cache()
+        mx.eval(target.forward(mx.array([ids(b, lens[b], 0)], dtype=mx.int32), cache, last_only=True).logits)
+        return cache
+
+    solo_caches = [prefilled(b) for b in range(B)]
+    batch_caches = [prefilled(b) for b in range(B)]
+    at = list(lens)
+    for widths in rounds:
+        feeds = [Feed(mx.array(ids(b, w, at[b]), dtype=mx.int32), w, taps, None) for b, w in enumerate(widths)]
+        solo = [target.forward(f.tokens[None], solo_caches[b], taps=taps) for b, f in enumerate(feeds)]
+        batched = forward_rows(target, list(zip(batch_caches, feeds)))
+        mx.eval([(o.logits, o.hidden) for o in solo + batched])
+        for s, o in zip(solo, batched):
+            if not (mx.array_equal(s.logits, o.logits).item() and mx.array_equal(s.hidden, o.hidden).item()):
+                return False
+        at = [a + w for a, w in zip(at, widths)]
+    return True
