@@ -147,3 +147,104 @@ def route_row_attention() -> None:
 
     scaled_dot_product_attention._rows_aware = True
     mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+# ------------------------------------------------------------------- mlx-vlm (the [gemma] extra)
+def dist_version(name: str) -> tuple[int, ...] | None:
+    """The installed version of distribution `name` as a tuple of ints (None if not installed)."""
+    import re
+    from importlib import metadata
+
+    try:
+        v = metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+    return tuple(int(x) for x in re.findall(r"\d+", v.split("+")[0])[:3])
+
+
+def vlm_rope_utils_shim_active(vlm: tuple | None = None) -> bool:
+    """mlx-vlm < 0.6.5 keeps its rope utilities in mlx_vlm.models.gemma4.rope_utils; 0.6.5 moved
+    them to mlx_vlm.models.rope_utils (importing the new path crashed older mlx-dspark on fresh
+    installs). Active when the installed mlx-vlm has the old layout."""
+    vlm = dist_version("mlx-vlm") if vlm is None else vlm
+    return vlm is not None and vlm < (0, 6, 5)
+
+
+def vlm_rope_utils():
+    """mlx-vlm's rope utilities module (initialize_rope, ...) from whichever layout is installed:
+    mlx_vlm.models.rope_utils (mlx-vlm >= 0.6.5), else mlx_vlm.models.gemma4.rope_utils (<= 0.6.4)."""
+    import importlib
+
+    try:
+        return importlib.import_module("mlx_vlm.models.rope_utils")
+    except ImportError:
+        return importlib.import_module("mlx_vlm.models.gemma4.rope_utils")
+
+
+def vlm_video_processor_shim_active(vlm: tuple | None = None, transformers: tuple | None = None) -> bool:
+    """mlx-vlm 0.6.3 - 0.6.4 with transformers >= 5.12: loading a Gemma 4 processor fails with a
+    misleading "OSError: Can't load video processor" (Blaizzy/mlx-vlm#1578, fixed in 0.6.5):
+    transformers resolves a video processor the checkpoint does not ship. Active in that range."""
+    vlm = dist_version("mlx-vlm") if vlm is None else vlm
+    transformers = dist_version("transformers") if transformers is None else transformers
+    return vlm is not None and (0, 6, 3) <= vlm < (0, 6, 5) and transformers is not None and transformers >= (5, 12)
+
+
+_video_shim_original = None
+
+
+def apply_vlm_video_processor_shim(force: bool = False) -> bool:
+    """Where `vlm_video_processor_shim_active()` (or `force`): make transformers'
+    AutoVideoProcessor.from_pretrained answer None instead of raising that OSError, so the Gemma 4
+    processor builds its own default video processor (its constructor does when given None).
+    Returns whether the shim is installed. Idempotent; other errors still raise."""
+    global _video_shim_original
+    if _video_shim_original is not None:
+        return True
+    if not (force or vlm_video_processor_shim_active()):
+        return False
+    import transformers
+
+    auto = transformers.AutoVideoProcessor
+    original = auto.__dict__["from_pretrained"]
+
+    def from_pretrained(cls, *args, **kwargs):
+        try:
+            return original.__get__(None, cls)(*args, **kwargs)
+        except OSError as e:
+            if "video processor" in str(e).lower():
+                return None
+            raise
+
+    _video_shim_original = original
+    auto.from_pretrained = classmethod(from_pretrained)
+    return True
+
+
+def remove_vlm_video_processor_shim() -> None:
+    global _video_shim_original
+    if _video_shim_original is not None:
+        import transformers
+
+        transformers.AutoVideoProcessor.from_pretrained = _video_shim_original
+        _video_shim_original = None
+
+
+def vlm_shims() -> list[dict]:
+    """The mlx-vlm shims, the versions each is for, and whether it is active here (doctor)."""
+    vlm, tf = dist_version("mlx-vlm"), dist_version("transformers")
+    fmt = lambda v: ".".join(map(str, v)) if v else "not installed"  # noqa: E731
+    return [
+        {
+            "name": "mlx-vlm rope-utils layout",
+            "for": "mlx-vlm < 0.6.5 (rope_utils under models/gemma4/)",
+            "active": vlm_rope_utils_shim_active(vlm),
+            "installed": f"mlx-vlm {fmt(vlm)}",
+        },
+        {
+            "name": "gemma4 video-processor OSError",
+            "for": "mlx-vlm 0.6.3 - 0.6.4 with transformers >= 5.12",
+            "active": vlm_video_processor_shim_active(vlm, tf) or _video_shim_original is not None,
+            "installed": f"mlx-vlm {fmt(vlm)}, transformers {fmt(tf)}",
+        },
+    ]

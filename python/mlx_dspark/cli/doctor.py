@@ -36,6 +36,9 @@ def collect() -> dict:
         info["mlx_vlm"] = getattr(mlx_vlm, "__version__", "installed")
     except ImportError:
         info["mlx_vlm"] = None
+    from ..compat import vlm_shims
+
+    info["shims"] = vlm_shims()  # which compat.py shims of other packages are active here
     dev = mx.default_device()
     info["device"] = str(dev)
     info["metal"] = bool(getattr(mx, "metal", None) and mx.metal.is_available())
@@ -103,5 +106,7 @@ def run(args) -> int:
     for k, v in info.items():
         if isinstance(v, dict):
             v = ", ".join(f"{a}={b}" for a, b in v.items())
+        elif k == "shims":
+            v = "; ".join(f"{s['name']}: {'ACTIVE' if s['active'] else 'inactive'} (for {s['for']})" for s in v)
         print(f"{k:<{width}}  {v}")
     return 0

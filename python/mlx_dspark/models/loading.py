@@ -80,8 +80,13 @@ def load_target(
     from .checkpoints import check_safetensors
 
     check_safetensors(path)
+    from . import vlm
+
     try:
-        net, tokenizer, config = mlx_load(str(path), return_config=True)
+        if vlm.wants_vlm(path):  # a multimodal Gemma checkpoint: through mlx-vlm (models/vlm.py)
+            net, tokenizer, config = vlm.load(path)
+        else:
+            net, tokenizer, config = mlx_load(str(path), return_config=True)
     except UserError:
         raise
     except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:
