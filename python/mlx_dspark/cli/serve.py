@@ -63,6 +63,20 @@ def add_parser(sub) -> None:
         help="requests waiting for the engine before new ones get 429 (default 16)",
     )
     g.add_argument(
+        "--max-batch",
+        type=positive_int,
+        default=4,
+        help="requests that share each target forward (continuous batching; default 4, 1 = one at a time)",
+    )
+    g.add_argument(
+        "--max-kv-mb",
+        type=float,
+        default=None,
+        metavar="MB",
+        help="KV cache budget of the running requests: a request that does not fit now waits, one that "
+        "never fits is refused (default: no budget)",
+    )
+    g.add_argument(
         "--timeout",
         type=float,
         default=120.0,
@@ -118,6 +132,8 @@ def run(args) -> int:
         raise UserError(f"--max-draft must be >= 0, got {args.max_draft}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_kv_mb is not None and args.max_kv_mb <= 0:
+        raise UserError(f"--max-kv-mb must be positive, got {args.max_kv_mb:g}")
     if args.timeout <= 0:
         raise UserError(f"--timeout must be positive, got {args.timeout}")
     loopback = is_loopback_host(args.host.lower())
@@ -144,6 +160,8 @@ def run(args) -> int:
         default_sampling=sampling,
         default_max_tokens=args.default_max_tokens,
         prefix_cache=_prefix_cache(args, target),
+        max_batch=args.max_batch,
+        max_kv_mb=args.max_kv_mb,
     )
     if args.context_window and engine.trained_context and args.context_window > engine.trained_context:
         print(
