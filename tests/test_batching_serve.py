@@ -64,19 +64,42 @@ def test_short_request_joining_two_long_ones_returns_first():
     assert blk["batched"] is True and "batch_reason" not in blk
 
 
-def test_sampled_request_runs_serially_and_says_why():
+def test_seeded_sampled_request_batches_and_equals_solo():
     t, tok = _perm()
-    sp = SamplingParams(temperature=0.8, seed=3)
     solo = _solo(t, tok, [5, 6, 7], 12, sampling=SamplingParams(temperature=0.8, seed=3))
     eng = Engine(t, tok, mode="baseline", max_batch=4).start()
     try:
-        job = eng.submit(GenRequest(prompt_ids=[5, 6, 7], max_tokens=12, sampling=sp))
-        (ev, text) = _wait(job)
+        other = eng.submit(GenRequest(prompt_ids=[9, 10], max_tokens=40))
+        job = eng.submit(
+            GenRequest(prompt_ids=[5, 6, 7], max_tokens=12, sampling=SamplingParams(temperature=0.8, seed=3))
+        )
+        (ev, text), _ = _wait(job), _wait(other)
     finally:
         eng.stop()
     assert ev[0] == "done" and ev[1].result.tokens == solo.tokens and text == solo.text.rstrip("\ufffd")
+    assert x_block(eng, job)["batched"] is True
+
+
+def test_what_cannot_batch_runs_serially_and_says_why():
+    from mlx_dspark.api import generate as real_generate
+
+    t, tok = _perm()
+    calls = []
+
+    def custom(*a, **kw):
+        calls.append(1)
+        return real_generate(*a, **kw)
+
+    eng = Engine(t, tok, mode="baseline", max_batch=4, generate_fn=custom).start()
+    try:
+        job = eng.submit(GenRequest(prompt_ids=[5, 6, 7], max_tokens=5))
+        ev, text = _wait(job)
+    finally:
+        eng.stop()
+    assert ev[0] == "done" and ev[1].result.tokens == _solo(t, tok, [5, 6, 7], 5).tokens
+    assert calls == [1]  # the serial path ran it through the engine's own generate function
     blk = x_block(eng, job)
-    assert blk["batched"] is False and "sampled" in blk["batch_reason"]
+    assert blk["batched"] is False and "custom generate" in blk["batch_reason"]
 
 
 def test_max_batch_1_says_so():

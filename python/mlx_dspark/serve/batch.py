@@ -8,8 +8,10 @@ finishes, and its slot admits the next queued (or newly arriving) Job between tw
 
 What does not batch runs on the serial path, and its response says why (`x_mlx_dspark.batched`
 false, `batch_reason`): a target whose batched rows are not proven bitwise equal to solo
-forwards (decode/batch.check, measured once), sampled decoding (temperature > 0, penalties), a
-custom generate function. While a serial Job runs, the rows wait (they resume where they were).
+forwards (decode/batch.check, measured once: e.g. a quantized KV cache, sliding windows,
+recurrent layers), or an engine with a custom generate function. Sampled requests batch: each
+row keeps its own random streams. While a serial Job runs, the rows wait (they resume where
+they were).
 
 Memory (`--max-kv-mb`): a Job reserves the KV its prompt, its max_tokens and one verify block
 may fill (Engine.kv_need_mb); it is admitted when the reservations of the running rows leave room,
@@ -75,13 +77,10 @@ class BatchScheduler:
         return self._target_reason
 
     def job_reason(self, job) -> str | None:
-        why = self.target_reason()
-        if why:
-            return why
-        sp = job.req.sampling
-        if not sp.greedy or sp.presence_penalty or sp.frequency_penalty:
-            return "sampled decoding (temperature > 0 or penalties) runs serially for now"
-        return None
+        """Why this Job runs serially (None: it batches). Every request setting batches (a sampled
+        row keeps its own random streams, so a seeded request gives what it gives alone); only the
+        target, or a custom generate function, can send a Job to the serial path today."""
+        return self.target_reason()
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
