@@ -105,12 +105,18 @@ def main() -> int:
         f"## {Path(model).name} {args.precision}: {len(prompts)} eval prompts, {args.tokens} tokens greedy, "
         f"{bm.device_stamp()}"
     )
-    path = invariant.attention_path() if target.decode_width else "MLX's own"
+    from mlx_dspark.kernels import invariant_linear
+    from mlx_dspark.models import invariance
+
+    decode_path = invariance.path_of(target)
+    attention = invariant.attention_path() if decode_path != "native" else "MLX's own"
+    linears = invariant_linear.linear_path() if decode_path == "kernels" else "MLX's own"
+    width = f", decode width {target.decode_width}" if decode_path == "fixed" else ""
     lines = [
         head,
         f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}",
-        f"target path: invariance={target.invariance}, decode width={target.decode_width or 'native'}, "
-        f"attention={path}, MLX_DSPARK_INVARIANT={os.environ.get('MLX_DSPARK_INVARIANT', 'auto')}; "
+        f"target path: invariance={target.invariance} (decode path {decode_path}{width}), linears={linears}, "
+        f"attention={attention}, MLX_DSPARK_INVARIANT={os.environ.get('MLX_DSPARK_INVARIANT', 'auto')}; "
         f"load + self-check {load_s:.1f} s",
         "",
     ]

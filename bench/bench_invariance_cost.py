@@ -3,11 +3,12 @@
   python bench/bench_invariance_cost.py [--model M] [--precision bf16|8|4|f32] [--tokens 192]
          [--trials 3] [--out FILE.md]
 
-1. Baseline decode tok/s with the path the target chose at load (fixed width + invariant
-   attention where the native forward is not invariant) against mlx_lm's generate_step on the
-   same model, and the native forward's baseline too (ratios from one run; goal >= 0.97x).
-2. Verify cost: one forward of w = 1..16 tokens over a warm ~200-token cache (then trimmed),
-   the invariant path against the native one (MLX's own kernels), as ms and ratios.
+1. Baseline decode tok/s with the path the target chose at load (models/invariance.py: the
+   invariant kernels where the native forward is not invariant) against mlx_lm's generate_step on
+   the same model, and the other paths (native, fixed width) too, interleaved, ratios from one
+   run; goal >= 0.97x.
+2. Verify cost: one forward of w = 1..16 tokens over a warm ~200-token cache (then trimmed), per
+   path, as ms and ratios to the native forward (MLX's own kernels).
 """
 
 from __future__ import annotations
@@ -43,58 +44,57 @@ def main() -> int:
 
         model = str(demo_model_path())
     target, tok = md.load_target(model, dtype=dtype, quantize=quantize)
-    chosen = target.decode_width
+    from mlx_dspark.models import invariance
+
+    chosen = invariance.path_of(target)
     lines = [
         f"## cost of width invariance: {Path(model).name} {args.precision}, {bm.device_stamp()}",
-        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; invariance={target.invariance}, "
-        f"decode width={chosen or 'native'}",
+        f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; invariance={target.invariance} "
+        f"(decode path: {chosen})",
         "",
     ]
+    paths = [chosen] + [p for p in invariance.PATHS if p != chosen]
 
-    lines.append(f"### baseline decode, {args.tokens} tokens, best of {args.trials}")
+    lines.append(f"### baseline decode, {args.tokens} tokens, best of {args.trials} (interleaved)")
     for name, prompt in [("chat", bm.CHAT_PROMPT), ("code", bm.CODE_PROMPT), ("copy", bm.COPY_PROMPT)]:
         ids = md.encode_prompt(tok, prompt)
-        res = {}
-        for side, width in (("mlx_lm", None), ("ours", chosen), ("ours-native", 0)):
-            if side == "ours-native" and not chosen:
-                continue
-            if width is not None:
-                target.decode_width = width
-            run = (
-                (lambda: bm.mlx_lm_decode(target, ids, args.tokens))
-                if side == "mlx_lm"
-                else (lambda: bm.ours(target, tok, ids, args.tokens, "baseline"))
-            )
-            run()  # warm-up
-            res[side] = max((run() for _ in range(args.trials)), key=lambda m: m.decode_tps)
-        target.decode_width = chosen
-        r = res["ours"].decode_tps / res["mlx_lm"].decode_tps
-        line = (
-            f"    {name}: mlx_lm {res['mlx_lm'].decode_tps:.1f} tok/s, ours {res['ours'].decode_tps:.1f} "
-            f"(x{r:.3f} mlx_lm, goal >= 0.97)"
-        )
-        if "ours-native" in res:
-            line += (
-                f", ours on the native forward {res['ours-native'].decode_tps:.1f} "
-                f"(x{res['ours-native'].decode_tps / res['mlx_lm'].decode_tps:.3f})"
-            )
-        line += (
-            "; same tokens as mlx_lm" if res["ours"].tokens == res["mlx_lm"].tokens else "; tokens differ from mlx_lm"
-        )
+        res: dict = {}
+        sides = ["mlx_lm"] + paths
+        for _ in range(args.trials + 1):  # the first round warms up
+            for side in sides:
+                if side == "mlx_lm":
+                    m = bm.mlx_lm_decode(target, ids, args.tokens)
+                else:
+                    invariance.set_path(target, side)
+                    m = bm.ours(target, tok, ids, args.tokens, "baseline")
+                res.setdefault(side, []).append(m)
+        invariance.set_path(target, chosen)
+        best = {k: max(v[1:], key=lambda m: m.decode_tps) for k, v in res.items()}
+        ref = best["mlx_lm"]
+        parts = [f"mlx_lm {ref.decode_tps:.1f} tok/s"]
+        for side in paths:
+            r = best[side].decode_tps / ref.decode_tps
+            same = "same tokens" if best[side].tokens == ref.tokens else "tokens differ"
+            tag = " (chosen; goal >= 0.97)" if side == chosen else ""
+            parts.append(f"{side} {best[side].decode_tps:.1f} = x{r:.3f}{tag}, {same}")
+        line = f"    {name}: " + "; ".join(parts)
         lines.append(line)
         print(line, flush=True)
 
     lines += [
         "",
         f"### verify cost, one forward of w tokens over a 200-token cache (mean of {args.reps})",
-        "    w   native ms  invariant ms  inv/native  native/native(1)  inv/native(1)",
+        "    w  "
+        + "".join(f"{p + ' ms':>12}" for p in paths)
+        + "".join(f"{p + '/native':>16}" for p in paths if p != "native")
+        + "".join(f"{p + '/native(1)':>18}" for p in paths),
     ]
     vocab = target.vocab_size
     prefix = mx.array([[(13 * i + 5) % vocab for i in range(200)]], dtype=mx.int32)
     block = mx.array([[(7 * i + 3) % vocab for i in range(16)]], dtype=mx.int32)
     times = {}
-    for width in [0, chosen] if chosen else [0]:
-        target.decode_width = width
+    for p in paths:
+        invariance.set_path(target, p)
         cache = target.make_cache()
         mx.eval(target.forward(prefix, cache, last_only=True).logits)
         for w in range(1, 17):
@@ -105,15 +105,14 @@ def main() -> int:
             for _ in range(args.reps):
                 mx.eval(target.forward(block[:, :w], cache).logits)
                 target.trim(cache, w)
-            times[(width, w)] = (time.perf_counter() - t0) / args.reps * 1e3
-    target.decode_width = chosen
+            times[(p, w)] = (time.perf_counter() - t0) / args.reps * 1e3
+    invariance.set_path(target, chosen)
     for w in range(1, 17):
-        nat = times[(0, w)]
-        inv = times.get((chosen, w), nat) if chosen else nat
-        lines.append(
-            f"   {w:2d}  {nat:9.3f}  {inv:12.3f}  {inv / nat:10.3f}  {nat / times[(0, 1)]:16.3f}  "
-            f"{inv / times[(0, 1)]:13.3f}"
-        )
+        nat = times[("native", w)]
+        row = f"   {w:2d}  " + "".join(f"{times[(p, w)]:12.3f}" for p in paths)
+        row += "".join(f"{times[(p, w)] / nat:16.3f}" for p in paths if p != "native")
+        row += "".join(f"{times[(p, w)] / times[('native', 1)]:18.3f}" for p in paths)
+        lines.append(row)
     lines.append("")
     bm.emit("\n".join(lines), args.out)
     return 0

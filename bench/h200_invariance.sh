@@ -2,7 +2,8 @@
 # Width invariance on the H200 (MLX 0.32.4 CUDA): exactly what ran on the device machine, in the
 # repo root (or a snapshot of it).
 #
-#   bash bench/h200_invariance.sh setup tests micro     # wheels, GPU unit tests, attention microbench
+#   bash bench/h200_invariance.sh setup tests micro     # wheels, GPU unit tests, linear + attention microbench
+#   bash bench/h200_invariance.sh ftests                # the forward-level GPU property tests (slow: JIT per config)
 #   bash bench/h200_invariance.sh diag                  # which ops move with the row; the path per precision and W
 #   bash bench/h200_invariance.sh identity              # bench_invariance.py per PRECISIONS
 #   bash bench/h200_invariance.sh contrast              # the native forward (MLX_DSPARK_INVARIANT=off)
@@ -34,12 +35,17 @@ for step in "$@"; do
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     el ;;
   tests)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_invariant_attention.py tests/test_invariant_forward.py \
-      2>&1 | tee "$OUT/tests.txt" | tail -40
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_invariant_linear.py \
+      tests/test_kernels_invariant_attention.py 2>&1 | tee "$OUT/tests.txt" | tail -40
+    el ;;
+  ftests)
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_invariant_forward.py -k "${FTESTS:-kernel}" \
+      2>&1 | tee "$OUT/ftests.txt" | tail -40
     el ;;
   diag)
     python3 bench/diag_invariance.py --out "$OUT/diag.md" > /dev/null; cat "$OUT/diag.md"; el ;;
   micro)
+    python3 bench/bench_invariant_linear.py --out "$OUT/micro-linear.md" > /dev/null; cat "$OUT/micro-linear.md"
     python3 bench/bench_invariant_attention.py --out "$OUT/micro.md" > /dev/null; cat "$OUT/micro.md"; el ;;
   identity)
     for p in $PRECISIONS; do

@@ -24,7 +24,7 @@ NB_MODULE(_ext, m) {
   m.attr("mlx_version") = mlx::core::version();
   m.attr("has_metal") = DSPARK_METALLIB != 0;
   m.attr("source_hash") = DSPARK_SOURCE_HASH;
-  m.attr("primitives") = nb::make_tuple("DsparkGreedyAccept", "DsparkSamplingAccept");
+  m.attr("primitives") = nb::make_tuple("DsparkGreedyAccept", "DsparkSamplingAccept", "DsparkInvariantLinear");
 
   m.def("greedy_accept", &dspark::greedy_accept, "logits"_a, "draft"_a, nb::kw_only(),
         "stream"_a = nb::none(),
@@ -34,4 +34,8 @@ NB_MODULE(_ext, m) {
         "u_bonus"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Speculative-sampling accept: (accepted [B], bonus [B]) int32; see "
         "mlx_dspark.kernels.sampling_accept.");
+  m.def("invariant_linear", &dspark::invariant_linear, "x"_a, "weight"_a, "bias"_a.none(), nb::kw_only(),
+        "stream"_a = nb::none(),
+        "Width-invariant x @ weight.T (+ bias) on the CPU: row m of an M-row call equals the row alone, "
+        "bitwise; see mlx_dspark.kernels.invariant_linear.");
 }

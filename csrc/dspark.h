@@ -53,6 +53,25 @@ class SamplingAccept : public mx::Primitive {
   bool has_q_;
 };
 
+// Width-invariant dense linear on the CPU: x [M, K], weight [N, K], bias [N] or none, all one float
+// dtype -> [M, N]; row m of an M-row call is bit-identical to the row alone (invariant_linear.cpp).
+mx::array invariant_linear(const mx::array& x, const mx::array& weight, const std::optional<mx::array>& bias,
+                           mx::StreamOrDevice s = {});
+
+class InvariantLinear : public mx::Primitive {
+ public:
+  InvariantLinear(mx::Stream stream, bool has_bias) : mx::Primitive(stream), has_bias_(has_bias) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DsparkInvariantLinear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_bias_ == static_cast<const InvariantLinear&>(other).has_bias_;
+  }
+
+ private:
+  bool has_bias_;
+};
+
 // Row argmax in mx.argmax order (NaN first, then the larger value, then the smaller index).
 int32_t argmax_row(const void* row, mx::Dtype dtype, int64_t V);
 

@@ -84,7 +84,7 @@ def check_property(target, rng):
 def test_rows_are_width_invariant(path, dtype, bits, group, device):
     try:
         target = load(path, dtype, bits, group, device)
-        assert target.invariance in ("native", "fixed-width"), target.invariance
+        assert target.invariance in ("native", "kernels", "fixed-width"), target.invariance
         check_property(target, random.Random(SEED))
     finally:
         mx.set_default_device(mx.cpu)
@@ -106,6 +106,41 @@ def test_fixed_width_path_is_invariant(path, dtype, bits, group, device, monkeyp
         check_property(target, random.Random(SEED + 1))
     finally:
         mx.set_default_device(mx.cpu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype,bits,group", PRECISIONS, ids=[f"{d}" + (f"-q{b}g{g}" if b else "") for d, b, g in PRECISIONS]
+)
+def test_kernel_path_is_width_invariant(path, dtype, bits, group, device, monkeypatch):
+    """The invariant-kernel path itself (real widths, kernels/invariant_linear.py and the invariant
+    attention), chosen even where the native forward would already do."""
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "kernels")
+    try:
+        target = load(path, dtype, bits, group, device)
+        assert target.invariance == "kernels" and target.invariant_kernels and target.decode_width == 0
+        check_property(target, random.Random(SEED + 2))
+    finally:
+        mx.set_default_device(mx.cpu)
+
+
+def test_kernel_path_runs_at_the_real_width_through_the_kernels(path, monkeypatch):
+    from mlx_dspark.kernels import invariant, invariant_linear
+
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "kernels")
+    target = load(path, "float32", None, None, "cpu")
+    attn, lin = [], []
+    real_attn, real_call = invariant.invariant_attention, invariant_linear.call
+    monkeypatch.setattr(invariant, "invariant_attention", lambda *a: attn.append(a[0].shape) or real_attn(*a))
+    monkeypatch.setattr(invariant_linear, "call", lambda *a, **k: lin.append(a[1].shape) or real_call(*a, **k))
+    cache = target.make_cache()
+    target.forward(mx.array([[1, 2, 3, 4, 5]]), cache, last_only=True)  # prefill: MLX's own kernels
+    assert attn == [] and lin == []
+    out = target.forward(mx.array([[6, 7, 8]]), cache)
+    assert out.logits.shape[1] == 3 and target.cache_len(cache) == 8
+    assert len(attn) == 3 and all(s[2] == 3 for s in attn)  # one per layer, the block's own 3 queries
+    # q, k, v, o, gate, up, down per layer and the lm_head, every one at 3 rows
+    assert len(lin) == 3 * 7 + 1 and all(s[-2] == 3 for s in lin)
 
 
 def test_fixed_width_path_routes_attention_and_trims_the_pad(path, monkeypatch):

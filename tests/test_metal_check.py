@@ -88,6 +88,8 @@ struct __half { unsigned short x; };
 struct __nv_bfloat16 { unsigned short x; };
 float __half2float(__half);
 float __bfloat162float(__nv_bfloat16);
+__half __float2half(float);
+__nv_bfloat16 __float2bfloat16(float);
 namespace cooperative_groups {}
 namespace mlx { namespace core { namespace cu {
 template <class T, int N> struct small_array { T v[N]; T operator[](int i) const; };

@@ -37,7 +37,7 @@ def test_extension_matches_mlx(ext):
     assert ext.mlx_version == mx.__version__
     status = kernels.native_status()
     assert status["loaded"] and status["reason"] is None
-    assert set(status["primitives"]) == {"DsparkGreedyAccept", "DsparkSamplingAccept"}
+    assert set(status["primitives"]) == {"DsparkGreedyAccept", "DsparkSamplingAccept", "DsparkInvariantLinear"}
     assert status["kernels"]["greedy_accept"] == "native-cpu"
 
 

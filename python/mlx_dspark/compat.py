@@ -97,6 +97,43 @@ def route_causal_attention_to_invariant_op() -> None:
     mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
 
 
+_linear_originals: dict | None = None
+
+
+def route_linears_to_invariant_op() -> None:
+    """mlx.nn (MLX 0.32.x) looks up Linear.__call__, QuantizedLinear.__call__ and the embeddings'
+    as_linear (the tied lm_head) on the class at call time. Wrap them once so that, while
+    kernels.invariant.active() is on in the calling thread, they compute through the row-invariant
+    product of kernels/invariant_linear.py (where it supports the layer: affine 2/4/8-bit, float
+    weights); every other call, thread and layer kind keeps MLX's own op."""
+    global _linear_originals
+    import mlx.nn as nn
+
+    if _linear_originals is not None:
+        return
+    from .kernels import invariant, invariant_linear
+
+    originals = {}
+    for cls, attr, as_linear in (
+        (nn.Linear, "__call__", False),
+        (nn.QuantizedLinear, "__call__", False),
+        (nn.Embedding, "as_linear", True),
+        (nn.QuantizedEmbedding, "as_linear", True),
+    ):
+        original = cls.__dict__[attr]
+
+        def routed(self, x, _original=original, _as_linear=as_linear):
+            if invariant.is_active():
+                y = invariant_linear.call(self, x, as_linear=_as_linear)
+                if y is not None:
+                    return y
+            return _original(self, x)
+
+        originals[(cls, attr)] = original
+        setattr(cls, attr, routed)
+    _linear_originals = originals
+
+
 def mlx_lm_tool_call(syntax: str, text: str, tools):
     """Parse one tool call with mlx-lm's own parser for `syntax` ("qwen3_coder": the XML
     <function=...> form; "gemma4"). mlx-lm (0.32.x) exposes these as

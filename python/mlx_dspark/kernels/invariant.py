@@ -10,7 +10,8 @@ fixed chunks of CHUNK keys, in key order (kernels/gpu/invariant_attention.h says
 Paths, picked per backend (`attention_path()`):
   cuda       the GPU body through mx.fast.cuda_kernel (reads the cache through its strides: no copy)
   metal      the same body through mx.fast.metal_kernel (compile-checked on Linux)
-  reference  pure MLX, the same chunked arithmetic (CPU, or MLX_DSPARK_KERNELS=reference)
+  reference  pure MLX, the same chunked arithmetic: on the CPU as matmuls of one query row at a
+             time (invariant_attention_rows), elsewhere elementwise (MLX_DSPARK_KERNELS=reference)
 
 `active()` is the switch the fixed-width forward turns on: while it is on (in this thread),
 compat.py routes mlx-lm's calls of mx.fast.scaled_dot_product_attention with a causal (or no)
@@ -119,6 +120,20 @@ def invariant_attention_matmul(q: mx.array, k: mx.array, v: mx.array, scale: flo
         acc = acc * alpha + p @ vf[:, :, c * CHUNK : (c + 1) * CHUNK]
         m = m_new
     return (acc / l).reshape(B, H, Lq, D).astype(q.dtype)
+
+
+def invariant_attention_rows(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """The CPU path: the matmul form one query at a time over its own causal keys, so every matmul
+    has H / Hkv rows whatever the block width (OpenBLAS rounds a row differently as the row count
+    changes; at one shape a row does not depend on its neighbours)."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    if Lq == 1:
+        return invariant_attention_matmul(q, k, v, scale)
+    rows = []
+    for i in range(Lq):
+        n = Lk - Lq + i + 1
+        rows.append(invariant_attention_matmul(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], scale))
+    return mx.concatenate(rows, axis=2)
 
 
 # ------------------------------------------------------------------------------ GPU instances
@@ -234,6 +249,6 @@ def invariant_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> 
     path = attention_path()
     if path == "reference":
         if mx.default_device() == mx.cpu and os.environ.get("MLX_DSPARK_KERNELS", "").strip().lower() != "reference":
-            return invariant_attention_matmul(q, k, v, scale)
+            return invariant_attention_rows(q, k, v, scale)
         return invariant_attention_reference(q, k, v, scale)
     return invariant_attention_gpu(q, k, v, scale, lang=path)

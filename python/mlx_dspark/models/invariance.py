@@ -1,29 +1,32 @@
 """Width-invariant decoding: a verify round, a plain step and plain decoding give bit-identical
 logits and write bit-identical KV entries.
 
-Why rows differ at all: a GPU picks its matmul, quantized-matmul and attention kernels by shape,
-so the same row computed inside a width-8 verify forward and alone in a width-1 step goes through
-different reduction orders, and a near-tie in the logits can flip (DESIGN.md, measured on the
-H200). The design here removes the shape change instead of rewriting every op:
+Why rows differ at all: a GPU (and OpenBLAS on a CPU) picks its matmul, quantized-matmul and
+attention kernels by shape, so the same row computed inside a width-8 verify forward and alone in
+a width-1 step goes through different reduction orders, and a near-tie in the logits can flip
+(measured on the H200: 12 of 15 prompts). Two ways to remove the dependence, tried in this order:
 
-  * every decode forward (plain step and verify round alike, and the prompt's last token) runs
-    at ONE fixed width W: the block is padded with copies of its last token, the pad positions
-    are written to the cache and trimmed off at once. Every matmul, quantized matmul and the
-    lm_head then always sees M = W, and a row's arithmetic cannot depend on what else is in the
-    block (rows of a matmul never mix). A block wider than W runs as consecutive W-blocks;
-  * attention is the one op whose shape still moves (the key length grows every step), so inside
-    these forwards it runs kernels/invariant.py's op, in which each query row reduces over its
-    own causal keys in fixed chunks, in key order;
-  * norms, RoPE and elementwise ops are row-wise; the load self-check below proves the whole
-    forward, it does not assume any of this.
+  * kernels (the default where the native forward is not invariant): every decode forward (plain
+    step, verify round, the prompt's last token) runs at its real width, with the linear layers
+    and the lm_head computed by kernels/invariant_linear.py (each row reduces in one fixed order
+    that never looks at the number of rows) and attention over the cache by kernels/invariant.py
+    (each query row reduces over its own causal keys in fixed chunks). A plain step costs what a
+    gemv costs; a verify round reads each weight once for all its rows.
+  * fixed width (the fallback, e.g. for a layer kind the kernels do not take): every decode forward
+    runs at ONE width W, padded with copies of its last token (the pad positions are written to
+    the cache and trimmed off at once), so every op always sees M = W; attention still runs the
+    invariant op. Exact, but a plain step pays for a width-W forward.
 
-Prefill (all prompt tokens but the last) keeps MLX's fast kernels: every mode shares it.
+Norms, RoPE and elementwise ops are row-wise; the load self-check below proves the whole forward,
+it does not assume any of this. Prefill (all prompt tokens but the last) keeps MLX's fast kernels:
+every mode shares it.
 
 Which path a target gets is decided once at load by `choose()`, by measurement: the native
-forward is used where it is already width-invariant (CPU float32 is); otherwise the fixed-width
-path, if it passes; otherwise the native one with a warning that the drafting modes may differ
-from plain decoding. MLX_DSPARK_INVARIANT=auto (default) | force (fixed width, no check) | off.
-MLX_DSPARK_DECODE_WIDTH=W (default 16).
+forward where it is already width-invariant (CPU float32 with MLX's bundled BLAS); otherwise the
+kernels, if they pass; otherwise fixed width, if it passes; otherwise the native one with a warning
+that the drafting modes may differ from plain decoding.
+MLX_DSPARK_INVARIANT=auto (default) | kernels | fixed | force (= fixed, no check) | off.
+MLX_DSPARK_DECODE_WIDTH=W (default 16) for the fixed-width path.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def decode_width() -> int:
 
 def setting() -> str:
     raw = os.environ.get("MLX_DSPARK_INVARIANT", "auto").strip().lower()
-    return raw if raw in ("auto", "force", "off") else "auto"
+    return raw if raw in ("auto", "kernels", "fixed", "force", "off") else "auto"
 
 
 def fixed_width_ok(cache: list) -> bool:
@@ -104,22 +107,28 @@ _warned: set = set()
 
 
 def choose(target) -> str:
-    """Decide target.decode_width (0 = the native forward) by measurement; return the verdict:
-    native | fixed-width | forced | off | none (neither is invariant: drafting modes may differ)."""
+    """Decide the decode path by measurement (target.invariant_kernels, target.decode_width); return
+    the verdict: native | kernels | fixed-width | forced | off | none (no invariant path: drafting
+    modes may differ)."""
     mode = setting()
-    target.decode_width = 0
+    _disable(target)
     if mode == "off":
         return "off"
     if mode == "force":
-        _enable(target)
+        _enable_fixed(target)
         return "forced"
-    if rows_match(target):
+    if mode == "auto" and rows_match(target):
         return "native"
-    if fixed_width_ok(target.make_cache()):
-        _enable(target)
+    if mode in ("auto", "kernels"):
+        _enable_kernels(target)
+        if rows_match(target):
+            return "kernels"
+        _disable(target)
+    if mode in ("auto", "fixed") and fixed_width_ok(target.make_cache()):
+        _enable_fixed(target)
         if rows_match(target):
             return "fixed-width"
-        target.decode_width = 0
+        _disable(target)
     key = (str(mx.default_device()), target.model_type, target.kv_bits)
     if key not in _warned:
         _warned.add(key)
@@ -133,8 +142,49 @@ def choose(target) -> str:
     return "none"
 
 
-def _enable(target) -> None:
+PATHS = ("native", "kernels", "fixed")
+
+
+def path_of(target) -> str:
+    """native | kernels | fixed: the decode path the target runs now."""
+    return "kernels" if target.invariant_kernels else "fixed" if target.decode_width else "native"
+
+
+def set_path(target, path: str) -> None:
+    """Switch the target's decode path without a check (benchmarks compare them on one model)."""
+    if path not in PATHS:
+        raise ValueError(f"decode path {path!r}: expected one of {', '.join(PATHS)}")
+    _disable(target)
+    if path == "kernels":
+        _enable_kernels(target)
+    elif path == "fixed":
+        _enable_fixed(target)
+
+
+def _disable(target) -> None:
+    target.decode_width = 0
+    target.invariant_kernels = False
+
+
+def _enable_kernels(target) -> None:
+    from ..compat import route_causal_attention_to_invariant_op, route_linears_to_invariant_op
+
+    route_causal_attention_to_invariant_op()
+    route_linears_to_invariant_op()
+    target.invariant_kernels = True
+
+
+def _enable_fixed(target) -> None:
     from ..compat import route_causal_attention_to_invariant_op
 
     route_causal_attention_to_invariant_op()
     target.decode_width = decode_width()
+
+
+def forward_kernels(target, tokens: mx.array, cache: list, taps):
+    """target's forward at its real width with the invariant linears and attention."""
+    from ..kernels import invariant
+
+    with invariant.active():
+        out = target._forward_native(tokens, cache, taps, False)
+    return out.logits, out.hidden

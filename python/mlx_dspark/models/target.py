@@ -90,8 +90,10 @@ class Target:
         self._fast_head = False  # set by probe() once last-row heads are proven equal
         self.rollback_refusal: str | None = None  # set by probe(): why speculative modes cannot run
         self.tap_refusal: str | None = None  # set by probe(): why drafters' taps cannot be read
-        # Width invariance (models/invariance.py): 0 = the native forward; W = every decode forward
-        # at width W with the invariant attention. Chosen by probe() by measurement.
+        # Width invariance (models/invariance.py), chosen by probe() by measurement: decode forwards
+        # at their real width through the invariant kernels, or every one at width W = decode_width
+        # (0: not) with the invariant attention; neither: the native forward.
+        self.invariant_kernels = False
         self.decode_width = 0
         self.invariance = "unchecked"
 
@@ -200,7 +202,10 @@ class Target:
             self.check_speculation(taps)  # a verify round (or a tapped forward) on a target that failed the probe
         w = tokens.shape[1]
         sliding.mark_verify(cache, w > 1 and not last_only)  # sliding windows: verify in plain ring order
-        if self.decode_width and cache is not None and (not last_only or w == 1) and invariance.fixed_width_ok(cache):
+        decode = cache is not None and (not last_only or w == 1)
+        if decode and self.invariant_kernels:
+            return ForwardOut(*invariance.forward_kernels(self, tokens, cache, taps))
+        if decode and self.decode_width and invariance.fixed_width_ok(cache):
             logits, hidden = invariance.forward_fixed(self, tokens, cache, taps, self.decode_width)
             return ForwardOut(logits, hidden)
         return self._forward_native(tokens, cache, taps, last_only)

@@ -16,8 +16,8 @@
 //   global memory               DS_GLOBAL on pointers (Metal `device`; empty on CUDA), DS_THREAD
 //                               on references to locals (Metal `thread`).
 //   barriers                    DS_BARRIER() (threadgroup memory), DS_BARRIER_ALL() (also device).
-//   types                       ds_i64 / ds_u32 / ds_u64, uint on CUDA, ds_to_float(x) for
-//                               float / half / bfloat16 on both.
+//   types                       ds_i64 / ds_u32 / ds_u64, uint on CUDA, ds_to_float(x) and
+//                               ds_from_float<T>(x) for float / half / bfloat16 on both.
 // Metal passes inputs of fewer than 8 elements in the `constant` address space, so body
 // functions take their input pointers as template parameters (any address space binds).
 #ifndef MLX_DSPARK_DS_PORTABLE_H
@@ -53,6 +53,8 @@ DS_FUNC ds_u32 ds_f2u(float x) { return as_type<ds_u32>(x); }
 DS_FUNC float ds_u2f(ds_u32 x) { return as_type<float>(x); }
 template <typename T>
 DS_FUNC float ds_to_float(T x) { return static_cast<float>(x); }
+template <typename T>
+DS_FUNC T ds_from_float(float x) { return static_cast<T>(x); }
 
 #else
 // -------------------------------------------------------------------------------- CUDA
@@ -77,6 +79,15 @@ DS_FUNC float ds_u2f(ds_u32 x) { return __uint_as_float(x); }
 DS_FUNC float ds_to_float(float x) { return x; }
 DS_FUNC float ds_to_float(__half x) { return __half2float(x); }
 DS_FUNC float ds_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+// Round a float to the output type T (float, __half or __nv_bfloat16): round to nearest even.
+template <typename T>
+DS_FUNC T ds_from_float(float x);
+template <>
+DS_FUNC float ds_from_float<float>(float x) { return x; }
+template <>
+DS_FUNC __half ds_from_float<__half>(float x) { return __float2half(x); }
+template <>
+DS_FUNC __nv_bfloat16 ds_from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 #endif
 
 // ------------------------------------------------------------------------ both languages

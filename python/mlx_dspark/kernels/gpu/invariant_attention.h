@@ -22,18 +22,8 @@
 
 #ifdef DS_METAL
 DS_FUNC float ds_ia_exp(float x) { return metal::exp(x); }
-template <typename T>
-DS_FUNC T ds_from_float(float x) { return static_cast<T>(x); }
 #else
 DS_FUNC float ds_ia_exp(float x) { return expf(x); }
-template <typename T>
-DS_FUNC T ds_from_float(float x);
-template <>
-DS_FUNC float ds_from_float<float>(float x) { return x; }
-template <>
-DS_FUNC __half ds_from_float<__half>(float x) { return __float2half(x); }
-template <>
-DS_FUNC __nv_bfloat16 ds_from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 #endif
 
 DS_FUNC float ds_ia_max(float a, float b) { return a > b ? a : b; }

@@ -1,0 +1,103 @@
+"""Microbenchmark of the width-invariant linear op (kernels/invariant_linear.py) against MLX's own
+product (x @ W.T, or mx.quantized_matmul) at decode and verify widths.
+
+  python bench/bench_invariant_linear.py [--reps 50] [--quick] [--out FILE.md]
+
+Shapes: the demo SmolLM2-135M projections and lm_head, and Qwen3-4B-like ones; dense in the
+default float dtype (bf16 on a GPU, float32 on the CPU) and MLX affine 4- and 8-bit at group 64
+(GPU only: on the CPU the quantized product is MLX's own, already row-invariant). Prints, per
+shape and width M, both times and ours / MLX (below 1: ours is faster), and ours at M against
+MLX at M = 1 (what a verify row costs over a plain step). Ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import _package  # noqa: F401
+
+SHAPES = [  # (label, K, N)
+    ("135M q/o 576x576", 576, 576),
+    ("135M gate/up 576x1536", 576, 1536),
+    ("135M down 1536x576", 1536, 576),
+    ("135M lm_head 576x49152", 576, 49152),
+    ("4B gate/up 2560x9728", 2560, 9728),
+    ("4B down 9728x2560", 9728, 2560),
+]
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--quick", action="store_true", help="the 135M shapes only, widths 1 and 8")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    import mlx.core as mx
+
+    from mlx_dspark import benchmark as bm
+    from mlx_dspark.kernels import invariant_linear as il
+
+    gpu = mx.default_device() != mx.cpu
+    dtype = mx.bfloat16 if gpu else mx.float32
+    kinds = ["dense"] + (["q4g64", "q8g64"] if gpu and il.linear_path() in ("cuda", "metal") else [])
+    shapes = SHAPES[:4] if args.quick else SHAPES
+    widths = (1, 8) if args.quick else WIDTHS
+
+    def timed(fn):
+        for _ in range(5):
+            mx.eval(fn())
+        t0 = time.perf_counter()
+        for _ in range(args.reps):
+            mx.eval(fn())
+        return (time.perf_counter() - t0) / args.reps * 1e3
+
+    lines = [
+        f"## invariant linear vs MLX, {bm.device_stamp()}, path {il.linear_path()}, {dtype}",
+        f"`bench/bench_invariant_linear.py --reps {args.reps}{' --quick' if args.quick else ''}` at "
+        f"{time.strftime('%Y-%m-%d %H:%M')}; mean ms of {args.reps} calls (each evaluated)",
+        "",
+        "    shape                      kind    M   MLX ms   ours ms  ours/MLX  ours(M)/MLX(1)",
+    ]
+    ratios = []
+    for label, K, N in shapes:
+        for kind in kinds:
+            key = mx.random.key(K * 7 + N)
+            w = (mx.random.normal((N, K), key=key) * 0.05).astype(dtype)
+            xs = mx.random.normal((max(widths), K), key=mx.random.key(1)).astype(dtype)
+            if kind == "dense":
+                mlx_fn = lambda x: x @ w.T  # noqa: E731
+                ours_fn = lambda x: il.dense(x, w)  # noqa: E731
+            else:
+                bits = int(kind[1])
+                wq, s, b = mx.quantize(w, group_size=64, bits=bits)
+                mlx_fn = lambda x, wq=wq, s=s, b=b, bits=bits: mx.quantized_matmul(  # noqa: E731
+                    x, wq, s, b, transpose=True, group_size=64, bits=bits
+                )
+                ours_fn = lambda x, wq=wq, s=s, b=b, bits=bits: il.affine(x, wq, s, b, 64, bits)  # noqa: E731
+            mx.eval(w, xs)
+            base1 = None
+            for M in widths:
+                x = xs[:M]
+                t_mlx = timed(lambda: mlx_fn(x))
+                t_ours = timed(lambda: ours_fn(x))
+                base1 = t_mlx if M == 1 else base1
+                ratios.append(t_ours / t_mlx)
+                lines.append(
+                    f"    {label:26s} {kind:6s} {M:3d} {t_mlx:8.3f} {t_ours:9.3f} {t_ours / t_mlx:9.3f} "
+                    f"{t_ours / base1:15.3f}"
+                )
+                print(lines[-1], flush=True)
+    geo = 1.0
+    for r in ratios:
+        geo *= r
+    geo **= 1 / len(ratios)
+    lines += ["", f"geometric mean ours/MLX over every row above: {geo:.3f}", ""]
+    bm.emit("\n".join(lines), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

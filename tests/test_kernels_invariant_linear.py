@@ -1,0 +1,242 @@
+"""The width-invariant linear op (kernels/invariant_linear.py): the pure-MLX reference against MLX's
+own products, bitwise invariance of every path in the number of rows (row i of an M-row call ==
+the same row alone, M = 1..17), the GPU body run on CPU threads, compile checks of its Metal and
+CUDA instances (Linux, libclang), and (on the device, `pytest -m gpu`) the CUDA instance."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import kernel_text as kt
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlx_dspark.kernels import gpu_source as gs
+from mlx_dspark.kernels import invariant_linear as il
+from mlx_dspark.kernels import native
+
+SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
+DTYPES = [mx.float32, mx.bfloat16, mx.float16]
+DT_IDS = ["f32", "bf16", "f16"]
+QUANTS = [(b, g) for b in il.BITS for g in il.GROUPS]
+MAX_M = 17
+
+
+def rand(shape, dtype, i, scale=1.0):
+    return (mx.random.normal(shape, key=mx.random.key(SEED * 1000 + i)) * scale).astype(dtype)
+
+
+def quantized(N, K, dtype, bits, group, i):
+    w = rand((N, K), mx.float32, i, 0.05)
+    wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+    return wq, s.astype(dtype), b.astype(dtype)
+
+
+def assert_rows_invariant(fn, x, label):
+    """fn(x[i:i+M]) row r == fn(x[i+r : i+r+1]) bitwise, for M = 1..MAX_M and several i."""
+    ones = [fn(x[m : m + 1]) for m in range(x.shape[0])]
+    mx.eval(ones)
+    for M in range(1, MAX_M + 1):
+        for i in sorted({0, x.shape[0] - M}):
+            rows = fn(x[i : i + M])
+            mx.eval(rows)
+            for r in range(M):
+                assert mx.array_equal(rows[r], ones[i + r][0]).item(), (
+                    f"{label}: row {r} of an {M}-row call (seed {SEED})"
+                )
+
+
+# ------------------------------------------------------------------------------- reference
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_reference_matches_mlx_dense(dtype):
+    x, w, b = rand((9, 264), dtype, 1), rand((70, 264), dtype, 2, 0.05), rand((70,), dtype, 3)
+    want = (x.astype(mx.float32) @ w.astype(mx.float32).T + b.astype(mx.float32)).astype(dtype)
+    got = il.invariant_linear_reference(x, w, bias=b)
+    assert got.dtype == dtype and got.shape == (9, 70)
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+
+
+@pytest.mark.parametrize("bits,group", QUANTS)
+def test_reference_matches_mlx_quantized_matmul(bits, group):
+    K = 384
+    x = rand((5, K), mx.float32, 4)
+    wq, s, b = quantized(48, K, mx.float32, bits, group, 5)
+    want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
+    got = il.invariant_linear_reference(x, wq, s, b, group_size=group, bits=bits)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+# ------------------------------------------------------------------------- CPU paths
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_rowwise_path_is_invariant(dtype):
+    w, b = rand((40, 136), dtype, 6, 0.05), rand((40,), dtype, 7)
+    x = rand((MAX_M + 3, 136), dtype, 8)
+    assert_rows_invariant(lambda r: il.rowwise(r, lambda one: one @ w.T + b), x, f"rowwise {dtype}")
+
+
+needs_native = pytest.mark.skipif(
+    native.ext(warn=False) is None or not hasattr(native.ext(warn=False), "invariant_linear"),
+    reason="needs the built extension (pip install .)",
+)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_native_cpu_matches_the_reference_and_is_invariant(dtype, with_bias):
+    ext = native.ext(warn=False)
+    K, N = 1544, 97  # K: past the kernel's vector blocks with a tail; N: not a multiple of anything
+    w = rand((N, K), dtype, 9, 0.05)
+    b = rand((N,), dtype, 10) if with_bias else None
+    x = rand((MAX_M + 2, K), dtype, 11)
+    with mx.stream(mx.cpu):
+        got = ext.invariant_linear(x, w, b)
+        want = il.invariant_linear_reference(x, w, bias=b)
+        tol = 1e-5 if dtype == mx.float32 else 1e-2
+        assert got.dtype == dtype and got.shape == (MAX_M + 2, N)
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+        assert_rows_invariant(lambda r: ext.invariant_linear(r, w, b), x, f"native {dtype}")
+
+
+@needs_native
+def test_native_cpu_refuses_mismatched_shapes():
+    ext = native.ext(warn=False)
+    with pytest.raises(ValueError, match="invariant_linear"):
+        ext.invariant_linear(mx.zeros((2, 8)), mx.zeros((4, 16)), None)
+
+
+def test_call_routes_layers_and_declines_what_it_cannot_take():
+    lin = nn.Linear(64, 24)
+    x = rand((3, 64), mx.float32, 12)
+    got = il.call(lin, x)
+    assert got is not None and mx.allclose(got, lin(x), atol=1e-5).item()
+    emb = nn.Embedding(50, 64)
+    assert mx.allclose(il.call(emb, x, as_linear=True), emb.as_linear(x), atol=1e-5).item()
+    odd = nn.Linear(60, 8)  # K = 60 is not a multiple of the kernel's 8-element steps
+    assert il.call(odd, rand((2, 60), mx.float32, 13)) is None
+    q3 = nn.QuantizedLinear(64, 16, bits=3, group_size=32)
+    assert il.call(q3, x) is None  # 3-bit packing spans words: MLX's own op (the self-check judges)
+
+
+# ------------------------------------------------------------------- the body on CPU threads
+def test_gpu_body_runs_on_cpu_threads(tmp_path):
+    """The body itself on the CPU (tests/emulation/invariant_linear_emu.cpp): matches a float64
+    product for dense and 2/4/8-bit weights at every group size, and is bitwise invariant in M."""
+    gxx = shutil.which("g++")
+    assert gxx, "g++ is needed (MLX's CPU backend compiles its kernels with it)"
+    src = Path(__file__).parent / "emulation" / "invariant_linear_emu.cpp"
+    exe = tmp_path / "emu"
+    subprocess.run(
+        [gxx, "-std=c++20", "-O1", "-pthread", "-I", str(gs.GPU_DIR), str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("OK"), run.stdout + run.stderr
+
+
+# ------------------------------------------------------------------------------ compile checks
+def _parse_tools():
+    import test_metal_check as tmc
+
+    return tmc.parse, tmc.METAL_STUB, tmc.CUDA_STUB
+
+
+def _metal_src(kind, dt, has_bias, bits=4):
+    inst = il.instance("metal", kind)
+    if kind == "dense":
+        ins = [(dt, 2, 10**4), (dt, 2, 10**5), (dt, 1, 1 if not has_bias else 64)]
+        tmpl = [("T", dt), ("HAS_BIAS", has_bias)]
+    else:
+        ins = [(dt, 2, 10**4), ("uint32", 2, 10**5), (dt, 2, 10**3), (dt, 2, 10**3), (dt, 1, 64 if has_bias else 1)]
+        tmpl = [("T", dt), ("BITS", bits), ("HAS_BIAS", has_bias)]
+    return kt.metal_kernel_text(inst, ins, [dt], tmpl)
+
+
+@pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("has_bias", [False, True], ids=["nobias", "bias"])
+def test_metal_instances_parse(dt, has_bias):
+    parse, metal_stub, _ = _parse_tools()
+    assert parse(_metal_src("dense", dt, has_bias), metal_stub, f"il_metal_{dt}") == []
+    for bits in il.BITS:
+        assert parse(_metal_src("affine", dt, has_bias, bits), metal_stub, f"ilq{bits}_metal_{dt}") == []
+
+
+@pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
+def test_cuda_instances_parse(dt):
+    parse, _, cuda_stub = _parse_tools()
+    src = kt.cuda_kernel_text(
+        il.instance("cuda", "dense"), [(dt, 2), (dt, 2), (dt, 1)], [dt], [("T", dt), ("HAS_BIAS", True)]
+    )
+    assert parse(src, cuda_stub, f"il_cuda_{dt}") == []
+    for bits in il.BITS:
+        src = kt.cuda_kernel_text(
+            il.instance("cuda", "affine"),
+            [(dt, 2), ("uint32", 2), (dt, 2), (dt, 2), (dt, 1)],
+            [dt],
+            [("T", dt), ("BITS", bits), ("HAS_BIAS", False)],
+        )
+        assert parse(src, cuda_stub, f"ilq{bits}_cuda_{dt}") == []
+
+
+def test_a_broken_body_fails_both_compile_checks():
+    parse, metal_stub, cuda_stub = _parse_tools()
+    good = il.instance("metal", "dense")
+    body = good.header.replace("ds_il_warp_sum(ds_il_dense_dot(x,", "ds_il_warp_sum(ds_il_dense_dot(")
+    assert body != good.header
+    bad = gs.Instance(good.name, good.input_names, good.output_names, good.source, body)
+    src = kt.metal_kernel_text(
+        bad, [("float32", 2, 10**4)] * 2 + [("float32", 1, 1)], ["float32"], [("T", "float32"), ("HAS_BIAS", False)]
+    )
+    assert parse(src, metal_stub, "il_broken_metal")
+    cg = il.instance("cuda", "dense")
+    c = gs.Instance(cg.name, cg.input_names, cg.output_names, cg.source, body)
+    src = kt.cuda_kernel_text(c, [("float32", 2)] * 3, ["float32"], [("T", "float32"), ("HAS_BIAS", False)])
+    assert parse(src, cuda_stub, "il_broken_cuda")
+
+
+# ---------------------------------------------------------------------------------- on the GPU
+needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(
+    "KN", [(576, 1536), (1536, 576), (576, 49152), (4096, 1024)], ids=lambda s: "x".join(map(str, s))
+)
+def test_cuda_dense(dtype, with_bias, KN):
+    K, N = KN
+    with mx.stream(mx.gpu):
+        w = rand((N, K), dtype, 20, 0.05)
+        b = rand((N,), dtype, 21) if with_bias else None
+        x = rand((MAX_M + 2, K), dtype, 22)
+        got = il.dense_gpu(x, w, b)
+        want = il.invariant_linear_reference(x, w, bias=b)
+        tol = 1e-4 if dtype == mx.float32 else 2e-2
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+        assert_rows_invariant(lambda r: il.dense_gpu(r, w, b), x, f"cuda dense {dtype} {KN}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("bits,group", QUANTS)
+def test_cuda_affine(dtype, bits, group):
+    K, N = 1536, 576
+    with mx.stream(mx.gpu):
+        wq, s, b = quantized(N, K, dtype, bits, group, 23)
+        x = rand((MAX_M + 2, K), dtype, 24)
+        got = il.affine_gpu(x, wq, s, b, bits)
+        want = il.invariant_linear_reference(x, wq, s, b, group_size=group, bits=bits)
+        tol = 1e-4 if dtype == mx.float32 else 2e-2
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
+        assert_rows_invariant(lambda r: il.affine_gpu(r, wq, s, b, bits), x, f"cuda q{bits}g{group} {dtype}")
