@@ -6,6 +6,10 @@ text; nothing about a round changes. `step_rows` asks every generation for its n
 Feeds as the rows of ONE target forward, and hands each generation its own rows back
 (`Feed.finish(out)`), so the verify loop is still the one in loop.py.
 
+Drafters (DSpark, DFlash) that several rows share draft in one backbone pass
+(DrafterProposer.propose_rows: the projections and the MLP over all rows' blocks, each row's
+context cache and attention its own); a draft only decides speed, never the output.
+
 Why a row computes exactly what it computes alone:
   * the rows of a forward of shape [B, L] are the tokens of each generation, right-padded to the
     widest row (padding is never written to any cache and its outputs are dropped);
@@ -156,14 +160,19 @@ def step_rows(gens: Sequence[Generation]) -> list[Commit]:
     t0 = time.perf_counter()
     commits: list[Commit | None] = [None] * len(gens)
     feeds: list[tuple[int, Feed]] = []
+    asks: list[tuple[int, int]] = []  # (row, tokens to draft)
     for i, g in enumerate(gens):
         if g.done or not g.prefilled:
             raise RuntimeError("step_rows steps prefilled generations that are not done")
-        p = g.plan()
+        p = g.plan_begin()
         if isinstance(p, Commit):
             commits[i] = p
+        elif isinstance(p, int):
+            asks.append((i, p))
         else:
             feeds.append((i, p))
+    for i, draft in zip([i for i, _ in asks], _propose(gens, asks)):
+        feeds.append((i, gens[i].plan_draft(draft)))
     if feeds:
         outs = forward_rows(gens[feeds[0][0]].target, [(gens[i].cache, f) for i, f in feeds])
         for (i, f), out in zip(feeds, outs):
@@ -172,6 +181,26 @@ def step_rows(gens: Sequence[Generation]) -> list[Commit]:
     for g in gens:
         g.res.decode_s += dt
     return commits
+
+
+def _propose(gens: Sequence[Generation], asks: list[tuple[int, int]]) -> list:
+    """Each asking generation's Draft: drafter proposers (decode/drafting.py) that share a drafter
+    draft in one backbone pass; any other proposer proposes alone."""
+    from .drafting import DrafterProposer
+
+    drafts: list = [None] * len(asks)
+    shared = [j for j, (i, _) in enumerate(asks) if isinstance(gens[i].proposer, DrafterProposer)]
+    if len(shared) > 1:
+        items = [
+            (gens[asks[j][0]].proposer, gens[asks[j][0]].history, asks[j][1], gens[asks[j][0]].sampling) for j in shared
+        ]
+        for j, d in zip(shared, DrafterProposer.propose_rows(items)):
+            drafts[j] = d
+    for j, (i, k) in enumerate(asks):
+        if drafts[j] is None:
+            g = gens[i]
+            drafts[j] = g.proposer.propose(g.history, k, g.sampling)
+    return drafts
 
 
 # ------------------------------------------------------------------------------ can it batch

@@ -29,6 +29,7 @@ reported q is exactly what the token was drawn from.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
@@ -54,6 +55,18 @@ def _draft_sampler(sampling, n_prompt: int):
 
 def _lazy_argmax(sampling) -> bool:
     return sampling is None or (sampling.greedy and not sampling.has_penalties)
+
+
+@dataclass
+class _DrafterPass:
+    """A drafter pass propose() has decided to run: from `anchor` over the new context `rows`."""
+
+    t0: float
+    anchor: int
+    rows: mx.array | None
+    max_draft: int
+    sampling: object
+    history: list
 
 
 def confident_prefix(conf_logits: list[float], threshold: float) -> int:
@@ -145,6 +158,44 @@ class DrafterProposer(Proposer):
         return start >= 0 and self.policy.worth_trying("lookup", 2 * depth, n, depth)
 
     def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
+        got = self._prepare(history, max_draft, sampling)
+        if isinstance(got, Draft):
+            return got
+        lazy = self._sample(got, self.drafter.block_hidden(got.anchor, got.rows, self.state))
+        mx.eval(lazy[3])
+        return self._drafted(got, *lazy)
+
+    @staticmethod
+    def propose_rows(items: Sequence[tuple["DrafterProposer", Sequence[int], int, object]]) -> list[Draft]:
+        """propose() for several generations, (proposer, history, max_draft, sampling) each: the
+        rows that run the drafter share one backbone pass when they share the drafter."""
+        drafts: list[Draft | None] = [None] * len(items)
+        pend = []
+        for i, (p, history, max_draft, sampling) in enumerate(items):
+            got = p._prepare(history, max_draft, sampling)
+            if isinstance(got, Draft):
+                drafts[i] = got
+            else:
+                pend.append((i, p, got))
+        if len(pend) == 1 or len({id(p.drafter) for _, p, _ in pend}) > 1:
+            for i, p, got in pend:
+                lazy = p._sample(got, p.drafter.block_hidden(got.anchor, got.rows, p.state))
+                mx.eval(lazy[3])
+                drafts[i] = p._drafted(got, *lazy)
+        elif pend:
+            d = pend[0][1].drafter
+            hidden = d.block_hidden_rows(
+                [g.anchor for _, _, g in pend], [g.rows for _, _, g in pend], [p.state for _, p, _ in pend]
+            )
+            lazies = [p._sample(got, hidden[b]) for b, (_, p, got) in enumerate(pend)]
+            mx.eval([lz[3] for lz in lazies])
+            for (i, p, got), lz in zip(pend, lazies):
+                drafts[i] = p._drafted(got, *lz)
+        return drafts
+
+    def _prepare(self, history: Sequence[int], max_draft: int, sampling):
+        """What propose() decides before the drafter runs: a final Draft (empty, or lookup's), or
+        the drafter pass to run (_DrafterPass)."""
         anchor_pos = len(history) - 1
         if self.state[0].offset + self.n_pending != anchor_pos:
             raise RuntimeError(
@@ -164,24 +215,25 @@ class DrafterProposer(Proposer):
         max_draft = self.policy.length("drafter", min(max_draft, self.block_drafts), n)
         if max_draft <= 0:
             return Draft()
-        t0 = time.perf_counter()
-        rows = self._take_rows()
-        d = self.drafter
-        hidden = d.block_hidden(history[-1], rows, self.state)
-        k = min(max_draft, hidden.shape[0])
-        lazy = _lazy_argmax(sampling)
+        return _DrafterPass(time.perf_counter(), history[-1], self._take_rows(), max_draft, sampling, list(history))
+
+    def _sample(self, got: "_DrafterPass", hidden: mx.array):
+        """The draft of slot states hidden [block_drafts, H], lazily: (tokens, q rows, confidences,
+        the arrays to evaluate)."""
+        k = min(got.max_draft, hidden.shape[0])
+        sampling, hist = got.sampling, got.history
         penalties = sampling is not None and sampling.has_penalties
-        hist = list(history)
 
         def choose(row, drafted):
             if not penalties:  # the history only matters to penalties: no sync per slot
                 return self._choose(row, sampling, hist)
             return self._choose(row, sampling, hist + [int(t.item()) for t in drafted])
 
-        choose.argmax = lazy  # a plain argmax: the drafter may pick it within its draft vocabulary
-        toks, qs, conf = d.sample(hidden[:k], history[-1], choose, self.threshold)
-        outs = [mx.stack(toks)] + ([conf] if conf is not None else [])
-        mx.eval(outs)
+        choose.argmax = _lazy_argmax(sampling)  # a plain argmax: the drafter may pick it within its draft vocabulary
+        toks, qs, conf = self.drafter.sample(hidden[:k], got.anchor, choose, self.threshold)
+        return toks, qs, conf, [mx.stack(toks)] + ([conf] if conf is not None else [])
+
+    def _drafted(self, got: "_DrafterPass", toks, qs, conf, outs) -> Draft:
         tokens = outs[0].tolist()
         if conf is not None:
             keep = confident_prefix(conf.astype(mx.float32).tolist(), self.threshold)
@@ -189,11 +241,11 @@ class DrafterProposer(Proposer):
                 self.counters["truncated_rounds"] += 1
             tokens = tokens[:keep]
         q = None
-        if not lazy and tokens:
+        if not _lazy_argmax(got.sampling) and tokens:
             q = mx.stack(qs[: len(tokens)])
         self.counters["drafter_rounds"] += 1
         self.counters["drafter_proposed"] += len(tokens)
-        self.counters["drafter_s"] += time.perf_counter() - t0
+        self.counters["drafter_s"] += time.perf_counter() - got.t0
         return Draft(tokens=tokens, q=q)
 
     def observe(self, n_proposed: int, n_accepted: int, hidden: mx.array | None) -> None:

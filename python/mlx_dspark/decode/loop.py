@@ -314,6 +314,15 @@ class Generation:
         step ended without one (the pending token ended the generation). `step()` runs the Feed
         alone; decode/batch.py runs the Feeds of several generations in one forward. Only for a
         prefilled generation that is not done."""
+        got = self.plan_begin()
+        if isinstance(got, int):
+            return self.plan_draft(self.proposer.propose(self.history, got, self.sampling))
+        return got
+
+    def plan_begin(self) -> "Feed | Commit | int":
+        """plan() up to the proposer: a Feed or a Commit as plan() returns them, or the number of
+        tokens to draft; then plan_draft(proposer.propose(history, k, sampling)) gives the Feed
+        (decode/batch.py asks several proposers at once in between)."""
         target, cache, acceptor = self.target, self.cache, self.acceptor
         remaining = self.max_new_tokens - len(self.res.tokens)
         plain = (
@@ -333,15 +342,22 @@ class Generation:
             first = self._commit([tok], self.pending_row, 0, self.pending_is_round)
             if self.done:
                 return first
-        anchor = self.history[-1]
+        self._first = first
         k = min(self.max_draft, self.max_new_tokens - len(self.res.tokens) - 1)
-        draft = Draft()
         if k > 0 and self.speculate and not target.can_trim(cache, k):
             _switch_off(self.res, target, cache)  # e.g. a sliding window that has filled up
             self.speculate, self.taps = False, ()
         if k > 0 and self.speculate:
-            draft = self.proposer.propose(self.history, k, self.sampling)
-            draft.tokens = [int(t) for t in draft.tokens[:k]]
+            self._k = k
+            return k
+        return self.plan_draft(Draft())
+
+    def plan_draft(self, draft: Draft) -> Feed:
+        """The Feed of plan_begin()'s step with the proposer's draft (an empty one: a plain step)."""
+        first, self._first = self._first, Commit([])
+        anchor = self.history[-1]
+        if draft.tokens:
+            draft.tokens = [int(t) for t in draft.tokens[: self._k]]
             if draft.q is not None:
                 draft.q = draft.q[: len(draft.tokens)]
         if not draft.tokens:

@@ -94,6 +94,12 @@ class BlockDrafter:
         h = self.model.run_block(self.embed(ids)[None], rows, state)[0]
         return h[self.spec.logits_start :]
 
+    def block_hidden_rows(self, anchors: list, rows: list, states: list) -> mx.array:
+        """block_hidden for several generations in one backbone pass -> [B, block_drafts, H]."""
+        ids = mx.array([[int(a)] + [self.mask_token_id] * (self.block_size - 1) for a in anchors], dtype=mx.int32)
+        emb = self.embed(ids.reshape(-1)).reshape(len(anchors), self.block_size, -1)
+        return self.model.run_block_rows(emb, rows, states)[:, self.spec.logits_start :]
+
     def sample(self, hidden: mx.array, anchor: int, choose: Chooser, threshold: float = 0.0):
         """Draft tokens from slot states hidden [k, H]: (tokens [k] lazy, q rows or None, confidences or None).
 

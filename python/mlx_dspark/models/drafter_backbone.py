@@ -191,6 +191,34 @@ class DraftAttention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=cfg.attn_scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+    def call_rows(self, x: mx.array, ctxs: list, rope, caches: list) -> mx.array:
+        """__call__ for B rows at once: x [B, L, H] the rows' blocks, ctxs[b] row b's new context
+        features ([1, n_b, H] or None), caches[b] its ContextKV. The projections run over all the
+        rows together; RoPE, the cache writes and attention run per row, as for the row alone."""
+        cfg = self.cfg
+        B, L, _ = x.shape
+        nkv, hd = cfg.num_kv_heads, cfg.head_dim
+        pieces = [
+            x[b : b + 1] if ctxs[b] is None else mx.concatenate([ctxs[b], x[b : b + 1]], axis=1) for b in range(B)
+        ]
+        rows = mx.concatenate(pieces, axis=1) if B > 1 else pieces[0]
+        k = self.k_proj(rows).reshape(1, -1, nkv, hd)
+        v = mx.fast.rms_norm(k, None, cfg.rms_norm_eps) if cfg.k_eq_v else self.v_proj(rows).reshape(1, -1, nkv, hd)
+        k = self.k_norm(k)
+        q = self.q_norm(self.q_proj(x).reshape(B, L, cfg.num_heads, hd)).transpose(0, 2, 1, 3)
+        outs, at = [], 0
+        for b in range(B):
+            n = pieces[b].shape[1]
+            n_ctx = n - L
+            start = caches[b].offset
+            kb = rope(k[:, at : at + n].transpose(0, 2, 1, 3), offset=start)
+            keys, values = caches[b].write(kb, v[:, at : at + n].transpose(0, 2, 1, 3), keep=n_ctx)
+            qb = rope(q[b : b + 1], offset=start + n_ctx)
+            outs.append(mx.fast.scaled_dot_product_attention(qb, keys, values, scale=cfg.attn_scale))
+            at += n
+        out = mx.concatenate(outs, axis=0) if B > 1 else outs[0]
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
 
 class DraftMLP(nn.Module):
     def __init__(self, cfg: BackboneConfig):
@@ -222,6 +250,16 @@ class DraftLayer(nn.Module):
 
     def __call__(self, h: mx.array, ctx: mx.array | None, rope, cache: ContextKV) -> mx.array:
         a = self.self_attn(self.input_layernorm(h), ctx, rope, cache)
+        if not self.gemma:
+            h = h + a
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(a)
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h * self.layer_scalar
+
+    def call_rows(self, h: mx.array, ctxs: list, rope, caches: list) -> mx.array:
+        """__call__ for B rows at once (DraftAttention.call_rows)."""
+        a = self.self_attn.call_rows(self.input_layernorm(h), ctxs, rope, caches)
         if not self.gemma:
             h = h + a
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -266,4 +304,21 @@ class Backbone(nn.Module):
         h = emb
         for layer, c in zip(self.layers, caches):
             h = layer(h, ctx, self._rope, c)
+        return self.norm(h)
+
+    def run_block_rows(self, emb: mx.array, rows: list, caches: list) -> mx.array:
+        """run_block for B rows at once: emb [B, S, H] the rows' block embeddings, rows[b] row b's
+        new context rows ([n_b, T] or None), caches[b] its per-layer ContextKV list -> [B, S, H]."""
+        sizes = [0 if r is None else int(r.shape[0]) for r in rows]
+        ctxs: list = [None] * len(rows)
+        if any(sizes):
+            fused = self.fuse(mx.concatenate([r for r, n in zip(rows, sizes) if n], axis=0))
+            at = 0
+            for b, n in enumerate(sizes):
+                if n:
+                    ctxs[b] = fused[:, at : at + n]
+                    at += n
+        h = emb
+        for i, layer in enumerate(self.layers):
+            h = layer.call_rows(h, ctxs, self._rope, [c[i] for c in caches])
         return self.norm(h)
