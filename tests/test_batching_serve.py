@@ -131,3 +131,19 @@ def test_kv_budget_queues_what_does_not_fit_and_refuses_what_never_fits():
     assert b.t_start >= a.t_done  # b waited for a's KV to be given back
     assert rb[0][1].result.tokens == _solo(t, tok, [4, 5, 6], 100).tokens
     assert rh[0][0] == "error" and isinstance(rh[0][1], ApiError) and "--max-kv-mb" in str(rh[0][1])
+
+
+def test_serve_flags(capsys):
+    import pytest
+
+    from mlx_dspark.cli.main import build_parser, main
+
+    args = build_parser().parse_args(["serve"])
+    assert args.max_batch == 4 and args.max_kv_mb is None
+    args = build_parser().parse_args(["serve", "--max-batch", "2", "--max-kv-mb", "512"])
+    assert (args.max_batch, args.max_kv_mb) == (2, 512.0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-batch", "0"])
+    assert main(["serve", "--max-kv-mb", "0", "--model", str(workspace()["target_perm"])]) != 0
+    err = capsys.readouterr().err
+    assert "--max-kv-mb must be positive" in err and "Traceback" not in err
