@@ -1,0 +1,118 @@
+"""Causal attention for long float32 prefills on the CPU, computed in row blocks through numpy.
+
+Why: MLX's CPU build (0.32.x, x86) has no fused attention; mx.fast.scaled_dot_product_attention
+falls back to matmul, a mask select and a softmax whose exp runs one float at a time (about 20 ns
+per score on the dev box, against 0.6 ns for numpy's vectorized exp). A prefill's attention is
+quadratic in the prompt, so a 20k-token prompt (Claude Code's default one) spent most of half an
+hour in that exp on the demo model. This op does the same arithmetic in blocks of query rows:
+scores by a BLAS matmul into a reused buffer, the causal mask on the diagonal block only (keys
+past a block's last row are never computed), softmax in place, then the value matmul; about 4x
+faster at 2k x 12k (bench/bench_cpu_attention.py).
+
+Where: only while `active()` is on in the calling thread (decode/loop.py's prefill turns it on
+around each chunk), on the CPU, in float32, with mask "causal" and at least MIN_SCORES scores;
+compat.route_prefill_attention_to_cpu_op routes mlx-lm's calls here. Verify rounds, decode steps,
+GPUs and every other call keep MLX's own kernel. The result matches MLX's to float32 rounding
+(not bitwise): plain and speculative decoding share the prefill, so output stays identical
+between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import mlx.core as mx
+import numpy as np
+
+MIN_SCORES = 1 << 20  # Lq * Lk below this: MLX's own kernel (short prompts keep its exact arithmetic)
+BLOCK_FLOATS = 1 << 23  # score buffer per block (32 MB): rows per block = BLOCK_FLOATS / (rep * Lk)
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def active():
+    """Route long causal float32 attention on the CPU through `attention` inside this block (this thread)."""
+    from ..compat import route_prefill_attention_to_cpu_op
+
+    route_prefill_attention_to_cpu_op()
+    prev = getattr(_local, "on", False)
+    _local.on = True
+    try:
+        yield
+    finally:
+        _local.on = prev
+
+
+def is_active() -> bool:
+    return getattr(_local, "on", False)
+
+
+def wants(q, k, v, mask, scale) -> bool:
+    """Whether this call (as mlx-lm makes it) should run here."""
+    return (
+        is_active()
+        and isinstance(mask, str)
+        and mask == "causal"
+        and scale is not None
+        and isinstance(q, mx.array)
+        and isinstance(k, mx.array)
+        and isinstance(v, mx.array)
+        and q.ndim == 4
+        and k.ndim == 4
+        and v.ndim == 4
+        and q.dtype == k.dtype == v.dtype == mx.float32
+        and q.shape[2] >= 2
+        and q.shape[2] * k.shape[2] >= MIN_SCORES
+        and k.shape[2] >= q.shape[2]
+        and q.shape[1] % k.shape[1] == 0
+        and mx.default_device() == mx.cpu
+    )
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A float32 buffer of at least n floats, kept per thread (fresh pages cost more than the math)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.size < n:
+        buf = np.empty(n, dtype=np.float32)
+        _local.buf = buf
+    return buf
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """q [B, H, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv] (float32) -> [B, H, Lq, Dv]; causal,
+    aligned at the end (query i sits at position Lk - Lq + i), grouped heads (H a multiple of Hkv)."""
+    mx.eval(q, k, v)
+    qn, kn, vn = np.asarray(q), np.asarray(k), np.asarray(v)
+    B, H, Lq, D = qn.shape
+    Hkv, Lk, Dv = kn.shape[1], kn.shape[2], vn.shape[3]
+    rep = H // Hkv
+    off = Lk - Lq
+    rows = max(16, min(Lq, BLOCK_FLOATS // (rep * Lk)))
+    buf = _scratch(rep * rows * Lk)
+    out = np.empty((B, H, Lq, Dv), dtype=np.float32)
+    neg_inf = np.float32(-np.inf)
+    for b in range(B):
+        for h in range(Hkv):
+            kh = np.ascontiguousarray(kn[b, h])
+            vh = np.ascontiguousarray(vn[b, h])
+            for r0 in range(0, Lq, rows):
+                r1 = min(r0 + rows, Lq)
+                n = r1 - r0
+                lim = off + r1  # keys the block's last row sees
+                qb = qn[b, h * rep : (h + 1) * rep, r0:r1].reshape(rep * n, D) * np.float32(scale)
+                s = buf[: rep * n * lim].reshape(rep * n, lim)
+                np.matmul(qb, kh[:lim].T, out=s)
+                d0 = off + r0  # row j of the block sees keys up to d0 + j
+                if lim - d0 > 1:
+                    above = np.arange(lim - d0)[None, :] > np.arange(n)[:, None]
+                    s3 = s.reshape(rep, n, lim)
+                    np.copyto(s3[:, :, d0:], neg_inf, where=above[None])
+                np.subtract(s, s.max(axis=1, keepdims=True), out=s)
+                np.exp(s, out=s)
+                total = s.sum(axis=1, keepdims=True)
+                o = s @ vh[:lim]
+                o /= total
+                out[b, h * rep : (h + 1) * rep, r0:r1] = o.reshape(rep, n, Dv)
+    return mx.array(out)
