@@ -72,8 +72,16 @@ class BatchScheduler:
                 self._target_reason = "the engine runs a custom generate function"
             else:
                 width = max(int(eng.max_draft) if isinstance(eng.max_draft, int) else 0, 8) + 1
-                self._target_reason = batch.check(eng.target, eng.max_batch, min(width, 17))
+                try:
+                    self._target_reason = batch.check(eng.target, eng.max_batch, min(width, 17))
+                except Exception as e:  # a family the batched forward does not fit
+                    log.warning("batching is off: its self-check failed (%s: %s)", type(e).__name__, e)
+                    self._target_reason = f"the batch self-check failed on this target ({type(e).__name__})"
             self._checked = True
+            if self._target_reason:
+                log.info("continuous batching is off, requests run one at a time: %s", self._target_reason)
+            else:
+                log.info("continuous batching: up to %d requests share each forward", eng.max_batch)
         return self._target_reason
 
     def job_reason(self, job) -> str | None:
