@@ -31,6 +31,7 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
     stop_string: str | None = None  # the stop string that ended generation, if one did
     cached_tokens: int = 0  # prompt tokens a prefix cache supplied (not prefilled again)
+    prefix_cache: dict | None = None  # what the prefix cache did: mode, hit, reused_tokens, a miss's cause
 
     @property
     def rounds(self) -> int:
@@ -185,6 +186,7 @@ class TextGeneration:
         self.generation, self.stream, self.target, self.mode = generation, stream, target, mode
         self.cancel_check = cancel
         self.prefix_cache, self.cached_tokens = prefix_cache, cached_tokens
+        self.prefix_report: dict | None = None  # set by start(): the prefix cache's lookup report
         self._stored = False
 
     def __iter__(self):
@@ -207,6 +209,7 @@ class TextGeneration:
             self.prefix_cache.store(g.snapshot())
         out = _result(g, self.target, self.stream, self.mode)
         out.cached_tokens = self.cached_tokens
+        out.prefix_cache = self.prefix_report
         return out
 
 
@@ -269,7 +272,8 @@ def start(
     if max_draft < 0:
         raise UserError(f"{option('max-draft')} must be >= 0, got {max_draft}")
     stream = TextStream(tokenizer, stop, on_text, keep_leading_space=keep_leading_space)
-    hit = prefix_cache.lookup(ids, tuple(proposer.taps)) if prefix_cache is not None else None
+    report: dict = {}
+    hit = prefix_cache.lookup(ids, tuple(proposer.taps), report=report) if prefix_cache is not None else None
     g = loop.Generation(
         target,
         ids,
@@ -284,8 +288,11 @@ def start(
         reuse=(hit.reused, hit.hidden) if hit else None,
         keep_state=prefix_cache is not None,
         on_prefill=on_prefill,
+        checkpoint_prompt=getattr(prefix_cache, "mode", None) == "checkpoint",
     )
-    return TextGeneration(g, stream, target, resolved_mode, cancel, prefix_cache, hit.reused if hit else 0)
+    tg = TextGeneration(g, stream, target, resolved_mode, cancel, prefix_cache, hit.reused if hit else 0)
+    tg.prefix_report = report if prefix_cache is not None else None
+    return tg
 
 
 def _result(g: loop.Generation, target: Target, stream: TextStream, mode: str) -> GenerationResult:

@@ -140,6 +140,7 @@ class CacheState:
     cache: list
     taps: tuple[int, ...] = ()
     hidden: mx.array | None = None
+    checkpoint: tuple[int, list] | None = None  # (prompt length, Target.snapshot at the prompt's end)
 
 
 class Generation:
@@ -151,7 +152,8 @@ class Generation:
 
     `reuse=(n, hidden)`: the first `n` prompt positions are already in `cache` (a prefix-cache
     hit; `hidden` their tapped rows when the proposer taps), so prefill feeds the rest only.
-    `keep_state=True` keeps what `snapshot()` needs to hand the cache to a prefix cache.
+    `keep_state=True` keeps what `snapshot()` needs to hand the cache to a prefix cache;
+    `checkpoint_prompt=True` also snapshots the cache at the prompt's end (checkpoint mode).
     `on_prefill(done, total)` hears the prefill's progress after each chunk."""
 
     def __init__(
@@ -170,6 +172,7 @@ class Generation:
         reuse: tuple[int, mx.array | None] | None = None,
         keep_state: bool = False,
         on_prefill: Callable[[int, int], None] | None = None,
+        checkpoint_prompt: bool = False,
     ):
         self.target, self.prompt = target, list(prompt)
         self.proposer = proposer or Proposer()
@@ -192,6 +195,7 @@ class Generation:
             self.speculate, self.taps = False, ()
         self.reuse = reuse
         self.keep_state = keep_state
+        self.checkpoint_prompt, self.checkpoint = checkpoint_prompt and keep_state, None
         self.on_prefill = on_prefill  # (prompt tokens in the cache so far, prompt length)
         self.fed: list[int] = []  # the tokens in the target cache, in order (with keep_state)
         self.fed_hidden: list[mx.array] = []  # their tapped rows, in chunks (with keep_state)
@@ -244,7 +248,11 @@ class Generation:
             if hidden.shape[0] != len(self.fed):
                 hidden = None
         return CacheState(
-            tokens=list(self.fed), cache=self.cache, taps=self.kept_taps if hidden is not None else (), hidden=hidden
+            tokens=list(self.fed),
+            cache=self.cache,
+            taps=self.kept_taps if hidden is not None else (),
+            hidden=hidden,
+            checkpoint=self.checkpoint,
         )
 
     def _fed(self, tokens: list[int], hidden: mx.array | None) -> None:
@@ -294,6 +302,8 @@ class Generation:
             self._finish()
             return Commit([])
         self._fed(self.prompt[n_reused:], hidden)
+        if self.checkpoint_prompt:  # the cache holds exactly the prompt here
+            self.checkpoint = (len(self.prompt), self.target.snapshot(self.cache))
         if n_reused and hidden is not None:
             hidden = mx.concatenate([reused_hidden, hidden], axis=0) if reused_hidden is not None else None
         self.pending = self.acceptor.sample(logits, self.history)

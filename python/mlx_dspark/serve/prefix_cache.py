@@ -8,6 +8,15 @@ its cache holds; a hit on a prompt sharing `n` of them restores a fresh cache tr
 forward as in a cold run. Greedy output is the same as a cold run wherever the forward's rows do
 not depend on how the prompt was split (CPU float32, and the width-invariant GPU path).
 
+Checkpoint mode, for targets whose caches cannot be trimmed back to any earlier point (hybrid
+GDN layers, sliding windows; models/snapshot.py knows their layers): an entry is the whole
+cache as it stood at a prompt boundary (`Target.snapshot` right after a generation's prefill,
+evaluated into fresh arrays). It is reused whole, and only when a later prompt extends its
+tokens exactly (and by at least one token, which is fed); anything else is a miss whose cause
+(`last_report` / the `report` dict of `lookup`: where the prompt diverged and the text there,
+e.g. a chat template that re-renders the `<think>` opener) the server puts in `x_mlx_dspark`.
+Checkpoint entries stay in RAM (no spill).
+
 Slots are kept most-recently-used first in RAM (`slots`, a byte budget); an entry pushed out of
 RAM is written to `spill_dir` when there is one and read back on a later hit, also after a
 restart. An entry on disk is keyed by the model (source, family, shapes, precision, MLX version)
@@ -52,17 +61,26 @@ def model_key(target) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
-def unsupported_reason(target) -> str | None:
-    """Why trim mode cannot serve this target (None: it can)."""
+def cache_mode(target) -> tuple[str | None, str | None]:
+    """("trim" | "checkpoint", None) for the mode that serves this target, or (None, why not)."""
     from mlx_lm.models.cache import KVCache
 
-    kinds = {type(c).__name__ for c in target.make_cache()}
+    cache = target.make_cache()
+    kinds = {type(c).__name__ for c in cache}
     if kinds == {KVCache.__name__}:
-        return None
-    return (
-        f"the prefix cache's trim mode needs plain KV caches; this target has {', '.join(sorted(kinds))} "
-        "(checkpoint mode for these is not built yet)"
+        return "trim", None
+    snap = getattr(target, "snapshot", None)
+    if snap is not None and snap(cache) is not None:
+        return "checkpoint", None
+    return None, (
+        f"the prefix cache needs plain KV caches (trim mode) or layers it can snapshot (checkpoint mode); "
+        f"this target has {', '.join(sorted(kinds))}"
     )
+
+
+def unsupported_reason(target) -> str | None:
+    """Why no prefix-cache mode can serve this target (None: one can)."""
+    return cache_mode(target)[1]
 
 
 @dataclass
@@ -73,12 +91,14 @@ class Entry:
     taps: tuple[int, ...] = ()
     hidden: mx.array | None = None
     used: float = field(default_factory=time.monotonic)
+    snap: list | None = None  # checkpoint mode: Target.snapshot of the cache holding `tokens`
 
     @property
     def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in (*self.keys, *self.values)) + (
-            int(self.hidden.nbytes) if self.hidden is not None else 0
-        )
+        from ..models.snapshot import _flat
+
+        arrays = [*self.keys, *self.values] + [x for e in self.snap or [] for x in _flat(e) if x is not None]
+        return sum(int(a.nbytes) for a in arrays) + (int(self.hidden.nbytes) if self.hidden is not None else 0)
 
     @property
     def digest(self) -> str:
@@ -108,7 +128,9 @@ class PrefixCache:
         self.slots = slots
         self.max_bytes = int(max_ram_mb * 2**20) if max_ram_mb else None
         self.key = model_key(target)
-        self.off_reason = unsupported_reason(target)
+        self.mode, self.off_reason = cache_mode(target)
+        if self.mode == "checkpoint":
+            spill_dir = None  # checkpoint entries stay in RAM
         self.ram: list[Entry] = []  # most recently used first
         self.dir = Path(spill_dir).expanduser() / self.key if spill_dir else None
         self.disk: dict[str, tuple[int, ...]] = {}  # file stem -> tokens
@@ -124,10 +146,17 @@ class PrefixCache:
         return self.off_reason is None
 
     # ---------------------------------------------------------------- lookup / store
-    def lookup(self, prompt, taps=()) -> Hit | None:
-        """The longest usable prefix of `prompt` held by an entry, restored into a fresh cache."""
+    def lookup(self, prompt, taps=(), report: dict | None = None) -> Hit | None:
+        """The longest usable prefix of `prompt` held by an entry, restored into a fresh cache.
+        `report` (a dict) receives what happened: mode, hit, reused_tokens, and a miss's cause."""
+        if report is not None:
+            report.update(mode=self.mode or "off", hit=False, reused_tokens=0)
         if not self.enabled:
+            if report is not None:
+                report["miss"] = self.off_reason
             return None
+        if self.mode == "checkpoint":
+            return self._lookup_checkpoint(list(prompt), tuple(taps), report)
         with self._lock:
             best, where, n_best = None, None, 0
             for e in self.ram:
@@ -154,7 +183,58 @@ class PrefixCache:
             self.stats["hits"] += 1
             self.stats["reused_tokens"] += n_best
             self._last = best.digest
+            if report is not None:
+                report.update(hit=True, reused_tokens=n_best)
             return Hit(cache=self._restore(best, n_best), reused=n_best, hidden=best.hidden[:n_best] if taps else None)
+
+    def _lookup_checkpoint(self, prompt: list, taps: tuple, report: dict | None) -> Hit | None:
+        """Checkpoint mode: the entry whose tokens the prompt extends (by >= 1 token), whole."""
+        with self._lock:
+            usable = [
+                e
+                for e in self.ram
+                if len(e.tokens) < len(prompt)
+                and tuple(prompt[: len(e.tokens)]) == e.tokens
+                and (not taps or (e.taps == taps and e.hidden is not None))
+            ]
+            if not usable:
+                self.stats["misses"] += 1
+                self._last = None
+                if report is not None:
+                    report["miss"] = self._miss_cause(prompt, taps)
+                return None
+            best = max(usable, key=lambda e: len(e.tokens))
+            best.used = time.monotonic()
+            self.ram.sort(key=lambda e: -e.used)
+            n = len(best.tokens)
+            self.stats["hits"] += 1
+            self.stats["reused_tokens"] += n
+            self._last = best.digest
+            if report is not None:
+                report.update(hit=True, reused_tokens=n)
+            return Hit(cache=self.target.restore(best.snap), reused=n, hidden=best.hidden if taps else None)
+
+    def _miss_cause(self, prompt: list, taps: tuple) -> str:
+        if not self.ram:
+            return "no checkpoint yet (checkpoint mode keeps the cache at each prompt's end)"
+        e = max(self.ram, key=lambda e: _common(e.tokens, prompt))
+        n = _common(e.tokens, prompt)
+        if n == len(e.tokens) == len(prompt):
+            return "the prompt is a cached prompt itself: its last token must be fed again, a checkpoint cannot"
+        if n == len(e.tokens):
+            return f"the checkpoint was taken for drafter taps {list(e.taps)}, this request taps {list(taps)}"
+        if n == len(prompt):
+            return f"the prompt ({len(prompt)} tokens) is shorter than the closest checkpoint ({len(e.tokens)} tokens)"
+        return (
+            f"the prompt diverges from the closest checkpoint at token {n} of its {len(e.tokens)}: "
+            f"cached {self._text(e.tokens[n : n + 6])!r}, prompt {self._text(prompt[n : n + 6])!r}"
+        )
+
+    def _text(self, ids) -> str:
+        try:
+            return self.target.tokenizer.decode(list(ids))
+        except Exception:  # no tokenizer: the ids say it
+            return str(list(ids))
 
     @staticmethod
     def _usable(tokens, entry_taps, has_hidden, prompt, taps) -> int:
@@ -167,6 +247,8 @@ class PrefixCache:
         """Keep a finished generation's cache (decode.loop.CacheState)."""
         if not self.enabled or state is None or not state.tokens:
             return
+        if self.mode == "checkpoint":
+            return self._store_checkpoint(state)
         n = len(state.tokens)
         keys = [c.keys[..., :n, :] for c in state.cache]
         values = [c.values[..., :n, :] for c in state.cache]
@@ -183,6 +265,20 @@ class PrefixCache:
                     self._drop_file(stem)
             self._insert(entry)
 
+    def _store_checkpoint(self, state) -> None:
+        """Keep the generation's prompt-boundary snapshot (decode.loop.CacheState.checkpoint)."""
+        if state.checkpoint is None:
+            return
+        n, snap = state.checkpoint
+        if snap is None or n > len(state.tokens):
+            return
+        hidden = state.hidden[:n] if state.hidden is not None and state.hidden.shape[0] >= n else None
+        entry = Entry(
+            tuple(state.tokens[:n]), [], [], tuple(state.taps) if hidden is not None else (), hidden, snap=snap
+        )
+        with self._lock:
+            self._insert(entry)
+
     def invalidate(self) -> None:
         """A request failed: drop the entry it used (RAM and disk), trust nothing half-done."""
         with self._lock:
@@ -195,6 +291,7 @@ class PrefixCache:
         with self._lock:
             return {
                 "enabled": self.enabled,
+                "mode": self.mode or "off",
                 **({"off": self.off_reason} if self.off_reason else {}),
                 "slots": self.slots,
                 "in_ram": len(self.ram),
@@ -223,7 +320,7 @@ class PrefixCache:
             self._spill(self.ram.pop())
 
     def _spill(self, e: Entry) -> None:
-        if self.dir is None:
+        if self.dir is None or e.snap is not None:
             return
         stem = e.digest
         arrays = {f"k.{i}": k for i, k in enumerate(e.keys)} | {f"v.{i}": v for i, v in enumerate(e.values)}
