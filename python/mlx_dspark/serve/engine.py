@@ -63,6 +63,8 @@ class Job:
         self.prefilled = 0  # prompt tokens prefilled so far (reported between chunks)
         self.state = "queued"  # queued -> running -> done
         self.outcome: Outcome | None = None
+        self.batched = False  # ran as a row of a batch (serve/batch.py), or serially
+        self.batch_reason: str | None = None  # why it ran serially
 
     def cancel(self, reason: str = "client disconnected") -> None:
         if not self.cancelled.is_set():
@@ -131,6 +133,8 @@ class Engine:
         metrics=None,
         generate_fn=None,
         prefix_cache=None,
+        max_batch: int = 1,
+        max_kv_mb: float | None = None,
     ):
         from ..api import generate
 
@@ -155,6 +159,9 @@ class Engine:
         self.metrics = metrics
         self._generate = generate_fn or generate
         self.prefix_cache = prefix_cache  # serve/prefix_cache.py, or None
+        self.max_batch = max(int(max_batch), 1)  # rows per target forward (serve/batch.py)
+        self.max_kv_mb = max_kv_mb  # the KV budget of the running requests (None: none)
+        self.running: list[Job] = []  # the rows of the batch now (max_batch > 1)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.max_queue = max_queue
         self._thread: threading.Thread | None = None
@@ -178,15 +185,21 @@ class Engine:
     def start(self) -> "Engine":
         if self._thread is None:
             self.prepare()
-            self._thread = threading.Thread(target=self._loop, name="mlx-dspark-engine", daemon=True)
+            loop = self._loop
+            if self.max_batch > 1:
+                from .batch import BatchScheduler
+
+                loop = BatchScheduler(self).run
+            self._thread = threading.Thread(target=loop, name="mlx-dspark-engine", daemon=True)
             self._thread.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
         """Cancel the running Job and everything queued, then end the engine thread."""
         self._stop.set()
-        if self.current is not None:
-            self.current.cancel("server shutting down")
+        for job in [self.current, *self.running]:
+            if job is not None:
+                job.cancel("server shutting down")
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -203,8 +216,9 @@ class Engine:
     def stop_soon(self) -> None:
         """From a signal handler: cancel what runs now, without waiting (stop() follows)."""
         self._stop.set()
-        if self.current is not None:
-            self.current.cancel("server shutting down")
+        for job in [self.current, *self.running]:
+            if job is not None:
+                job.cancel("server shutting down")
 
     def warmup(self, abort: threading.Event | None = None) -> None:
         """One tiny generation through the engine thread (compiles kernels before the first user)."""
@@ -238,7 +252,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return self.current is not None
+        return self.current is not None or bool(self.running)
 
     def describe(self) -> dict:
         return {
@@ -246,6 +260,8 @@ class Engine:
             "max_draft": self.max_draft,
             "context_window": self.context_window,
             "prefix_cache": self.prefix_cache.describe() if self.prefix_cache is not None else None,
+            "max_batch": self.max_batch,
+            "max_kv_mb": self.max_kv_mb,
             "drafter": getattr(self.drafter, "source", None) if self.drafter is not None else None,
         }
 
@@ -257,33 +273,40 @@ class Engine:
                 break
             if self.metrics:
                 self.metrics.gauge_queue(self._queue.qsize())
-            if job.cancelled.is_set():  # gone before it started: never prefilled
-                job.state = "done"
-                job.t_done = time.perf_counter()
-                self._finish(job)
-                job.events.put(("cancelled", None))
-                continue
-            self.current = job
-            job.state = "running"
-            job.t_start = time.perf_counter()
-            try:
-                job.outcome = self._run(job)
-                final = ("done", job.outcome)
-                if self._stop.is_set() and job.outcome.result.finish_reason == "cancelled":
-                    final = ("error", ShuttingDown())
-            except Exception as e:  # a server fault must not kill the engine thread
-                if self.prefix_cache is not None:
-                    self.prefix_cache.invalidate()  # trust nothing the failed request touched
-                if not isinstance(e, (UserError, ApiError)):
-                    log.error("generation failed:\n%s", traceback.format_exc())
-                final = ("error", e)
+            self._serve_one(job)
+
+    def _serve_one(self, job: Job) -> None:
+        """Run one Job to its end on the serial path (the engine thread)."""
+        if job.batch_reason is None:
+            job.batch_reason = "the server runs with --max-batch 1"
+        if job.cancelled.is_set():  # gone before it started: never prefilled
             job.state = "done"
             job.t_done = time.perf_counter()
-            self.current = None
-            if self.metrics:
-                self.metrics.gauge_prefill(0, 0)
             self._finish(job)
-            job.events.put(final)
+            job.events.put(("cancelled", None))
+            return
+        self.current = job
+        job.state = "running"
+        job.t_start = time.perf_counter()
+        try:
+            self.check_kv_budget(job)
+            job.outcome = self._run(job)
+            final = ("done", job.outcome)
+            if self._stop.is_set() and job.outcome.result.finish_reason == "cancelled":
+                final = ("error", ShuttingDown())
+        except Exception as e:  # a server fault must not kill the engine thread
+            if self.prefix_cache is not None:
+                self.prefix_cache.invalidate()  # trust nothing the failed request touched
+            if not isinstance(e, (UserError, ApiError)):
+                log.error("generation failed:\n%s", traceback.format_exc())
+            final = ("error", e)
+        job.state = "done"
+        job.t_done = time.perf_counter()
+        self.current = None
+        if self.metrics:
+            self.metrics.gauge_prefill(0, 0)
+        self._finish(job)
+        job.events.put(final)
 
     def _finish(self, job: Job) -> None:
         self.finished.append(job)
@@ -306,9 +329,10 @@ class Engine:
                 took,
             )
 
-    def _run(self, job: Job) -> Outcome:
+    def _hooks(self, job: Job):
+        """(generation keyword arguments, the held-back text) of a Job: its text goes to its
+        events as it is committed, its cancel check counts commits, its prefill reports progress."""
         req = job.req
-
         held = [""]  # a trailing U+FFFD: a character that the next token may complete
 
         def on_text(chunk: str) -> None:
@@ -320,8 +344,6 @@ class Engine:
             if chunk:
                 job.events.put(("text", chunk))
 
-        n = len(req.prompt_ids)
-
         def cancel() -> bool:
             job.commits += 1
             return job.cancelled.is_set()
@@ -329,12 +351,7 @@ class Engine:
         def on_prefill(done: int, total: int) -> None:  # after each chunk (past a prefix-cache hit)
             self._prefill_progress(job, done, total)
 
-        if self.metrics:
-            self.metrics.gauge_prefill(0, n)
-        res = self._generate(
-            self.target,
-            self.tokenizer,
-            None,
+        kwargs = dict(
             prompt_ids=req.prompt_ids,
             mode=self.mode,
             drafter=self.drafter,
@@ -350,6 +367,17 @@ class Engine:
             **({"prefix_cache": self.prefix_cache} if self.prefix_cache is not None else {}),
             **self.drafter_options,
         )
+        return kwargs, held
+
+    def _run(self, job: Job) -> Outcome:
+        kwargs, held = self._hooks(job)
+        if self.metrics:
+            self.metrics.gauge_prefill(0, len(job.req.prompt_ids))
+        res = self._generate(self.target, self.tokenizer, None, **kwargs)
+        return self._outcome(job, res, held)
+
+    def _outcome(self, job: Job, res, held: list) -> Outcome:
+        """The Outcome of a finished generation (its GenerationResult), the held-back text sent."""
         if res.finish_reason == "length" and res.text.endswith("\ufffd"):
             # max_tokens cut a multi-byte character: its bytes are not text (never a trailing U+FFFD)
             res.text = res.text.rstrip("\ufffd")
@@ -362,6 +390,28 @@ class Engine:
         n = len(res.tokens)
         lp = res.logprobs[:n] if res.logprobs is not None else None
         return Outcome(result=res, completion_tokens=n, stop_sequence=res.stop_string, logprobs=lp)
+
+    def kv_need_mb(self, job: Job) -> float:
+        """The KV cache a Job may fill: its prompt, its token budget and one verify block."""
+        from .batch import kv_bytes_per_token
+
+        block = max(int(self.max_draft) if isinstance(self.max_draft, int) else 0, self.lookup_long_draft, 16) + 1
+        n = len(job.req.prompt_ids) + int(job.req.max_tokens) + block
+        n = -(-n // 256) * 256  # mlx-lm's KV cache grows in steps of 256 positions
+        return n * kv_bytes_per_token(self.target) / 2**20
+
+    def check_kv_budget(self, job: Job) -> None:
+        """Refuse a Job that could never fit the KV budget (--max-kv-mb), saying what to change."""
+        if not self.max_kv_mb:
+            return
+        need = self.kv_need_mb(job)
+        if need > self.max_kv_mb:
+            raise ApiError(
+                400,
+                f"this request may need {need:.0f} MB of KV cache ({len(job.req.prompt_ids)} prompt tokens + "
+                f"max_tokens {job.req.max_tokens}), more than the server's --max-kv-mb {self.max_kv_mb:g}: "
+                "send a smaller max_tokens or a shorter prompt, or raise --max-kv-mb",
+            )
 
 
 def default_model_id(target) -> str:
@@ -402,7 +452,10 @@ def x_block(engine: Engine, job: Job, ignored=()) -> dict:
         "decode_s": round(res.decode_s, 6) if res is not None else 0.0,
         "queue_s": round(job.queue_s, 6),
         "ttft_s": round(job.ttft_s, 6) if job.ttft_s is not None else None,
+        "batched": job.batched,
     }
+    if not job.batched and job.batch_reason:
+        blk["batch_reason"] = job.batch_reason
     if ignored:
         blk["ignored_params"] = sorted(ignored)
     if res is not None and getattr(res, "prefix_cache", None):
