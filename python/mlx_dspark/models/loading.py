@@ -81,6 +81,9 @@ def load_target(
 
     check_safetensors(path)
     from . import vlm
+    from .packs import refuse_unsupported_pack
+
+    refuse_unsupported_pack(path, source)  # the 1-bit Bonsai pack: a pointer to plain mlx-vlm
 
     try:
         if vlm.wants_vlm(path):  # a multimodal Gemma checkpoint: through mlx-vlm (models/vlm.py)
