@@ -36,18 +36,25 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def active():
-    """Route causal attention through the invariant op inside this block (this thread only)."""
-    prev = getattr(_local, "on", False)
-    _local.on = True
+def active(linears: str = "kernel"):
+    """Route causal attention (and, where compat routes them, the linear layers, computed by the
+    `linears` strategy of kernels/invariant_linear.py) through the invariant ops inside this
+    block (this thread only)."""
+    prev = getattr(_local, "on", False), getattr(_local, "linears", "kernel")
+    _local.on, _local.linears = True, linears
     try:
         yield
     finally:
-        _local.on = prev
+        _local.on, _local.linears = prev
 
 
 def is_active() -> bool:
     return getattr(_local, "on", False)
+
+
+def linear_strategy() -> str:
+    """The linear strategy of the innermost active() block of this thread."""
+    return getattr(_local, "linears", "kernel")
 
 
 # ------------------------------------------------------------------------------- reference

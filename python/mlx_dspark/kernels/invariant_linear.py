@@ -8,7 +8,12 @@ but a plain step then pays for a width-W GEMM (H200, bf16: 196 -> 111 tok/s). Th
 the real width: a row's sum runs in one fixed order that does not look at M, and the weight row is
 read from memory once for all rows (small-M products are memory-bound), so M = 1 costs a gemv.
 
-Paths (`linear_path()`), per backend:
+Strategies (`strategies()`, tried in order by the load self-check):
+  gemv       GPUs: MLX's own single-row kernels (gemv / qmv), every row its own batch element of
+             one call; a plain step is then exactly MLX's own M = 1 product
+  kernel     this module's kernels, by path below
+
+Paths of the kernel strategy (`linear_path()`), per backend:
   cuda       the GPU body (kernels/gpu/invariant_linear.h) through mx.fast.cuda_kernel
   metal      the same body through mx.fast.metal_kernel (compile-checked on Linux)
   native     CPU: the C++ primitive of mlx_dspark._ext (csrc/invariant_linear.cpp), dense weights
@@ -63,6 +68,14 @@ def invariant_linear_reference(
     if bias is not None:
         y = y + bias.astype(mx.float32)
     return y.astype(x.dtype)
+
+
+def batched_rows(x2: mx.array, product) -> mx.array:
+    """Each row of x2 [M, K] as its own batch element of ONE call: `product` gets [M, 1, K], so
+    MLX runs its single-row kernel (gemv / qmv) for every row, the same one a plain step runs.
+    Invariant where that kernel's configuration depends on the weight's shape only, not on the
+    batch (measured at load by the self-check, never assumed)."""
+    return product(x2[:, None, :])[:, 0, :]
 
 
 def rowwise(x2: mx.array, product) -> mx.array:
@@ -167,8 +180,27 @@ def affine_gpu(x2, wq, scales, biases, bits: int, bias=None, lang: str = "cuda")
 
 
 # ------------------------------------------------------------------------------------ dispatch
+STRATEGIES = ("gemv", "kernel")  # how `call` computes: MLX's single-row kernels batched, or ours
+_paths: dict = {}
+
+
+def strategies() -> tuple[str, ...]:
+    """The strategies the load self-check tries on the default device, cheapest first: on a GPU
+    MLX's own single-row kernels batched over the rows (a plain step then costs exactly what it
+    costs without invariance), then this module's kernels; on the CPU this module's kernels."""
+    return ("kernel",) if mx.default_device() == mx.cpu else STRATEGIES
+
+
 def linear_path() -> str:
-    """cuda | metal | native | rowwise: how a dense invariant product runs on the default device."""
+    """cuda | metal | native | rowwise: how this module's dense product runs on the default device."""
+    key = (str(mx.default_device()), os.environ.get("MLX_DSPARK_KERNELS", ""))
+    path = _paths.get(key)
+    if path is None:
+        path = _paths[key] = _linear_path()
+    return path
+
+
+def _linear_path() -> str:
     forced = os.environ.get("MLX_DSPARK_KERNELS", "").strip().lower() == "reference"
     if mx.default_device() == mx.cpu or forced:
         if not forced and _native.ext(warn=False) is not None and hasattr(_native.ext(warn=False), "invariant_linear"):
@@ -220,9 +252,35 @@ def affine(x, wq, scales, biases, group_size: int, bits: int, bias=None) -> mx.a
     return y.reshape(*lead, wq.shape[0])
 
 
-def call(layer, x: mx.array, as_linear: bool = False) -> mx.array | None:
+def _gemv(layer, x: mx.array, as_linear: bool) -> mx.array | None:
+    bias = None if as_linear else layer.get("bias") if "bias" in layer else None
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        wq, s, b = layer["weight"], layer["scales"], layer.get("biases")
+        mode = getattr(layer, "mode", "affine")
+        y = batched_rows(
+            x2,
+            lambda r: mx.quantized_matmul(
+                r, wq, s, b, transpose=True, group_size=layer.group_size, bits=layer.bits, mode=mode
+            ),
+        )
+    else:
+        w = layer["weight"]
+        y = batched_rows(x2, lambda r: r @ w.T)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, y.shape[-1])
+
+
+def call(layer, x: mx.array, as_linear: bool = False, strategy: str = "kernel") -> mx.array | None:
     """The invariant product of an mlx.nn layer (Linear, QuantizedLinear, or an Embedding /
-    QuantizedEmbedding used as the tied lm_head), or None where it has no invariant path."""
+    QuantizedEmbedding used as the tied lm_head) by `strategy`, or None where it has none."""
+    if strategy == "gemv":
+        if not isinstance(layer, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)):
+            return None
+        return _gemv(layer, x, as_linear)
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         if getattr(layer, "mode", "affine") != "affine":
             return None
