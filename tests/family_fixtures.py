@@ -83,7 +83,7 @@ def _qwen_hybrid(family, vocab, eos, rng, *, layers, hidden, moe, dk=16):
                 "num_experts": 4,
                 "num_experts_per_tok": 2,
                 "decoder_sparse_step": 1,
-                "moe_intermediate_size": 48,
+                "moe_intermediate_size": 64,
                 "shared_expert_intermediate_size": 64,
                 "norm_topk_prob": True,
                 "mlp_only_layers": [],
