@@ -247,3 +247,18 @@ def test_doctor_lists_the_shims(monkeypatch):
     monkeypatch.setattr(compat, "dist_version", lambda n: {"mlx-vlm": (0, 6, 4), "transformers": (5, 13, 0)}[n])
     active = {s["name"]: s["active"] for s in doctor.collect()["shims"]}
     assert all(active.values())
+
+
+def test_target_embed_is_the_models_own_scaling():
+    """Drafters embed through Target.embed: for Gemma 4 that is sqrt(hidden) unrounded (gemma3
+    rounds it to bf16); at hidden 96 the two differ, and the model's own forward on
+    Target.embed's rows gives its own logits bitwise."""
+    path = write_vlm_gemma(_ROOT / "gemma4-h96", "gemma4", hidden=96, window=WINDOW, seed=2)
+    tgt, _ = md.load_target(str(path), dtype="float32")
+    ids = mx.array([[3, 17, 40, 99, 7]])
+    lm = tgt.model.language_model
+    own = lm(ids, cache=lm.make_cache()).logits
+    via = lm(None, inputs_embeds=tgt.embed(ids), cache=lm.make_cache()).logits
+    assert mx.array_equal(own, via).item()
+    rounded = tgt.embed_tokens(ids) * mx.array(96**0.5, dtype=mx.bfloat16).astype(mx.float32)
+    assert not mx.array_equal(tgt.embed(ids), rounded).item()

@@ -241,7 +241,10 @@ class Target:
         """Input embeddings as the model's own forward computes them (family scaling included)."""
         h = self._inner.embed_tokens(tokens)
         if self.model_type.startswith("gemma"):
-            h = h * mx.array(self.hidden_size**0.5, dtype=mx.bfloat16).astype(h.dtype)
+            scale = getattr(self._inner, "embed_scale", None)  # gemma4 (mlx-lm, mlx-vlm): sqrt(hidden) as is
+            if scale is not None:
+                return h * scale
+            h = h * mx.array(self.hidden_size**0.5, dtype=mx.bfloat16).astype(h.dtype)  # gemma3: rounded to bf16
         return h
 
     def head(self, h: mx.array) -> mx.array:
