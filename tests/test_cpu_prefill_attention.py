@@ -29,7 +29,10 @@ def _reference(q, k, v, scale):
 def test_matches_mlx_attention_on_random_inputs(monkeypatch, B, H, Hkv, Lq, Lk, D, block):
     monkeypatch.setattr(cpu_attention, "BLOCK_FLOATS", block)
     rng = np.random.default_rng(Lq * 7 + Lk)
-    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32) * 2) for s in ((B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, D)))
+    q, k, v = (
+        mx.array(rng.standard_normal(s).astype(np.float32) * 2)
+        for s in ((B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, D))
+    )
     scale = D**-0.5
     got = cpu_attention.attention(q, k, v, scale)
     ref = _reference(q, k, v, scale)

@@ -14,7 +14,11 @@ import time
 import anthropic
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serve_support import LiveServer, make_model, module_timer
+
+from mlx_dspark.serve import chat
 
 _timer = module_timer("real-client suite")
 
@@ -324,6 +328,48 @@ def test_huge_over_context_body_is_refused_fast_and_does_not_starve_others(qwen)
     t.join(300)
     assert small.input_tokens > 0 and done["big"][0]["input_tokens"] > 500_000
     assert t_small < done["big"][1], "the small request waited for the huge one"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.sampled_from(["the", " ", "  ", "\n", "#", "####", "café", "日本", "x1", "<|im_start|>", "\t"]), max_size=400
+    )
+)
+def test_the_text_floor_never_exceeds_the_real_count(qwen, parts):
+    text = "".join(parts)
+    floor = chat.text_floor(qwen.tokenizer, [text])
+    assert 0 <= floor <= len(qwen.tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_surely_over_context_bodies_are_refused_before_rendering(qwen, monkeypatch):
+    """Every dialect refuses a 27 MB prompt from the text floor: the template never runs."""
+    rendered = []
+    real = chat._apply
+    monkeypatch.setattr(chat, "_apply", lambda *a: rendered.append(1) or real(*a))
+    huge = "lorem ipsum dolor sit amet " * 1_000_000
+    user = [{"role": "user", "content": huge}]
+    cases = [
+        ("/v1/messages", {"max_tokens": 5, "messages": user}, r"prompt is too long: \d+ tokens > 4096 maximum"),
+        ("/v1/chat/completions", {"messages": user}, r"This model's maximum context length is 4096 tokens\..*"),
+        ("/v1/responses", {"input": huge}, r".*4096.*"),
+        ("/v1/completions", {"prompt": huge}, r".*4096.*"),
+    ]
+    per = len(qwen.tokenizer.encode("lorem ipsum dolor sit amet " * 1000, add_special_tokens=False))
+    for path, body, wording in cases:
+        data = json.dumps({"model": qwen.model, **body}).encode()
+        c = http.client.HTTPConnection("127.0.0.1", qwen.port, timeout=60)
+        t0 = time.perf_counter()
+        c.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        err = json.loads(r.read())["error"]
+        took = time.perf_counter() - t0
+        assert r.status == 400 and re.fullmatch(wording, err["message"], re.S), (path, err)
+        said = [int(x) for x in re.findall(r"\d+", err["message"]) if int(x) > 100_000]
+        assert said and abs(said[0] - per * 1000) < 0.05 * per * 1000, (path, err["message"], per)
+        print(f"\n27 MB over-context {path} refused in {took:.2f} s")
+        assert took < 10  # well under 1 s on a free core; generous for shared CI
+    assert rendered == []
 
 
 def test_max_tokens_cutting_a_character_leaves_no_replacement_char(qwen):

@@ -290,7 +290,7 @@ def _model(engine: Engine, f: Fields) -> str:
     return name
 
 
-def _render(engine: Engine, body: dict, tools, choice: str, thinking: bool | None) -> tuple[str, bool]:
+def _render(engine: Engine, body: dict, tools, choice: str, thinking: bool | None, refuse=None) -> tuple[str, bool]:
     messages, prefill = normalize(body)
     if thinking is None:
         thinking = engine.default_thinking
@@ -300,6 +300,8 @@ def _render(engine: Engine, body: dict, tools, choice: str, thinking: bool | Non
         tools=None if choice == "none" else tools,
         enable_thinking=thinking,
         continue_final=prefill,
+        window=engine.context_window,
+        refuse=refuse,
     )
     return text, prefill
 
@@ -318,7 +320,7 @@ def plan_messages(engine: Engine, body: dict) -> Plan:
     sampling = build_sampling(f, engine, temp_hi=1.0, penalties=False)
     stop = f.str_list("stop_sequences", max_items=64)
     stream = f.bool("stream", False)
-    text, prefill = _render(engine, body, tools, choice, enable)
+    text, prefill = _render(engine, body, tools, choice, enable, _refuse)
     ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
     budget = resolve_max_tokens(engine, n, max_tokens, _refuse)
     parser = chat.OutputParser(

@@ -152,6 +152,51 @@ def merge_mid_system(messages: list[dict]) -> list[dict]:
     return out
 
 
+_MAX_TOKEN_CHARS: dict = {}  # id(tokenizer) -> the longest vocabulary entry, in characters
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token can cover: the longest vocabulary entry (byte-level entries
+    spell one character per byte, so this bounds the characters of the text too); 0 if unknown."""
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_CHARS:
+        try:
+            with TOKENIZER_LOCK:
+                vocab = tokenizer.get_vocab()
+            _MAX_TOKEN_CHARS[key] = max((len(t) for t in vocab), default=0)
+        except Exception:
+            _MAX_TOKEN_CHARS[key] = 0
+    return _MAX_TOKEN_CHARS[key]
+
+
+def text_floor(tokenizer, texts) -> int:
+    """A floor on the token count of any text that holds each of `texts` (whitespace at their ends
+    aside): no token covers more than max_token_chars characters; halved again for normalizers
+    that compose two characters into one. 0 when the vocabulary is unknown."""
+    most = max_token_chars(tokenizer)
+    if most <= 0:
+        return 0
+    return sum(len(t.strip()) for t in texts if isinstance(t, str)) // (2 * most)
+
+
+def refuse_if_surely_over(tokenizer, messages: list[dict], window: int | None, refuse) -> None:
+    """Raise `refuse(floor, None, window)` when the user, system and tool text alone (which every
+    template renders) surely holds more than `window` tokens: a 30 MB body is refused before it
+    is rendered or tokenized, in the time its JSON takes to parse."""
+    if window is None:
+        return
+    texts = [m.get("content") for m in messages if m.get("role") in ("user", "system", "tool")]
+    texts = [t for t in texts if isinstance(t, str)]
+    n = text_floor(tokenizer, texts)
+    if n > window:
+        # The count said is an estimate from a sample of the longest text (the floor is proof, not a count).
+        longest = max(texts, key=len)
+        mid = len(longest) // 2
+        sample = longest[max(0, mid - 2048) : mid + 2048]
+        per = len(encode(tokenizer, sample)) / max(1, len(sample))
+        raise refuse(max(n, int(per * sum(len(t) for t in texts))), None, window)
+
+
 def render(
     tokenizer,
     messages: list[dict],
@@ -160,14 +205,20 @@ def render(
     enable_thinking: bool | None = None,
     template_kwargs: dict | None = None,
     continue_final: bool = False,
+    window: int | None = None,
+    refuse=None,
 ) -> str:
     """The prompt text for `messages` through the model's own chat template.
 
     System entries anywhere are kept: leading ones merge into one system turn; later ones are a
     system turn in place where the template renders one, else they join the next user turn.
-    Tools go through the template when it renders them, else through `tools_as_text`."""
+    Tools go through the template when it renders them, else through `tools_as_text`. With
+    `window` and `refuse`, a conversation that surely overflows the window is refused first
+    (`refuse_if_surely_over`)."""
     if not getattr(tokenizer, "has_chat_template", getattr(tokenizer, "chat_template", None) is not None):
         raise ApiError(400, "this model has no chat template: use /v1/completions with a raw prompt")
+    if refuse is not None:
+        refuse_if_surely_over(tokenizer, messages, window, refuse)
     kwargs = dict(template_kwargs or {})
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking

@@ -55,6 +55,9 @@ def plan_completion(engine: Engine, body: dict) -> Plan:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("`prompt` must not be empty", param="prompt")
+        chat.refuse_if_surely_over(
+            engine.tokenizer, [{"role": "user", "content": prompt}], engine.context_window, _refuse_completion
+        )
         ids, n = chat.encode_within(engine.tokenizer, prompt, engine.context_window, special=True)
         if ids is None:
             raise _refuse_completion(n, None, engine.context_window)

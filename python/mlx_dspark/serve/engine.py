@@ -179,8 +179,10 @@ class Engine:
     def prepare(self) -> None:
         """What must happen before request threads run (compat.compile_before_threads)."""
         from ..compat import compile_before_threads
+        from .chat import max_token_chars
 
         compile_before_threads(self.tokenizer)
+        max_token_chars(self.tokenizer)  # read once, so that the first huge body is refused as fast
 
     def start(self) -> "Engine":
         if self._thread is None:

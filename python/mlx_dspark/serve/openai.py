@@ -299,7 +299,15 @@ def plan_chat(engine: Engine, body: dict) -> Plan:
     usage_chunk = opts.bool("include_usage", False)
     max_tokens = _max_tokens(f)
 
-    text = chat.render(engine.tokenizer, messages, tools=tools, enable_thinking=thinking, template_kwargs=kwargs)
+    text = chat.render(
+        engine.tokenizer,
+        messages,
+        tools=tools,
+        enable_thinking=thinking,
+        template_kwargs=kwargs,
+        window=engine.context_window,
+        refuse=_refuse,
+    )
     ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
     budget = resolve_max_tokens(engine, n, max_tokens, _refuse)
     parser = chat.OutputParser(

@@ -253,7 +253,9 @@ def plan_responses(engine: Engine, body: dict) -> Plan:
     stream = f.bool("stream", False)
     store = f.bool("store", True)
     max_tokens = f.int("max_output_tokens", None, lo=1, hi=1 << 31)
-    text = chat.render(engine.tokenizer, messages, tools=tools, enable_thinking=thinking)
+    text = chat.render(
+        engine.tokenizer, messages, tools=tools, enable_thinking=thinking, window=engine.context_window, refuse=_refuse
+    )
     ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
     budget = resolve_max_tokens(engine, n, max_tokens, _refuse)
     parser = chat.OutputParser(
