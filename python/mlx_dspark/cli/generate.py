@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from .common import add_decode_args, add_model_args, drafter_options, load_from_args, positive_int, sampling_from_args
 
@@ -54,11 +55,13 @@ def run(args) -> int:
         sys.stdout.write(chunk)
         sys.stdout.flush()
 
+    progress = PrefillProgress(sys.stderr)
     res = generate(
         target,
         tokenizer,
         None,
         prompt_ids=ids,
+        on_prefill=progress,
         mode=args.mode,
         drafter=drafter,
         max_new_tokens=args.max_new_tokens,
@@ -69,6 +72,7 @@ def run(args) -> int:
         lookup_long_draft=args.lookup_long_draft,
         **drafter_options(args),
     )
+    progress.close()
     if args.json:
         out = res.to_dict()
         out["model"] = target.source or target.name
@@ -89,6 +93,40 @@ def run(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+class PrefillProgress:
+    """`on_prefill(done, total)` for a terminal: once a prefill has run AFTER_S seconds, one line on
+    stderr says how far it is (rewritten in place on a terminal, one line per chunk otherwise)."""
+
+    AFTER_S = 3.0
+
+    def __init__(self, file, clock=time.monotonic):
+        self.file, self.clock = file, clock
+        self.t0 = clock()  # made right before the generation starts
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        took = self.clock() - self.t0
+        if took < self.AFTER_S:
+            return
+        rate = done / took
+        last = done >= total - 1  # the prompt's last token goes in with the first step
+        left = "" if last or rate <= 0 else f", about {(total - done) / rate:.0f} s left"
+        line = f"prefill {done}/{total} tokens ({100 * done // max(total, 1)}%), {rate:.0f} tok/s, {took:.0f} s{left}"
+        tty = getattr(self.file, "isatty", lambda: False)()
+        self.file.write(("\r\x1b[K" + line) if tty else line + "\n")
+        self.file.flush()
+        self.shown = tty
+        if last:
+            self.close()
+
+    def close(self) -> None:
+        """End the line rewritten in place, so what follows starts on its own."""
+        if self.shown:
+            self.file.write("\n")
+            self.file.flush()
+            self.shown = False
 
 
 def print_logprobs(entries: list[dict], tokenizer, file) -> None:
