@@ -43,7 +43,18 @@ def gemma(kind: str):
         tgt, tok = md.load_target(str(path), dtype="float32")
         view = text_view(path, _ROOT / f"{kind}-view")
         drafters = {
-            "dspark": load_drafter(str(write_deepspec(_ROOT / f"{kind}-dspark", view)), tgt, bits=16),
+            # Gemma 4 pairs with DSpark's gemma4 drafter variant (its own norms and softcap)
+            "dspark": load_drafter(
+                str(
+                    write_deepspec(
+                        _ROOT / f"{kind}-dspark",
+                        view,
+                        **({"style": "gemma4", "softcap": 1.0} if kind == "gemma4" else {}),
+                    )
+                ),
+                tgt,
+                bits=16,
+            ),
             "dflash": load_drafter(str(write_zlab(_ROOT / f"{kind}-dflash", view)), tgt, bits=16),
         }
         _LOADED[kind] = (tgt, tok, drafters, path)
@@ -121,6 +132,7 @@ def test_every_mode_is_identical_to_baseline_past_the_window(kind, prompt, max_d
     for r in runs:
         assert r.tokens == base.tokens and r.text == base.text
         assert "speculation_off" not in r.stats
+    assert runs[1].stats["drafter_proposed"] > 0  # the drafter did draft on the mlx-vlm target
     if max_draft > 1 and len(base.tokens) > WINDOW + 2:
         assert max(runs[-1].accept_lengths) > 1  # verify rounds did run and roll back past the wrap
 
