@@ -280,3 +280,23 @@ def test_a_kernel_that_fails_its_self_check_is_not_used(tmp_path, monkeypatch):
         assert calls == []
     finally:
         gr.self_check.cache_clear()
+
+
+def test_depthwise_conv_is_the_layers_conv_at_any_width():
+    """The kernel route's conv: nn.Conv1d's depthwise product to float32 rounding, and each output
+    row bitwise the same whether computed in a wide call or alone (what a verify round needs)."""
+    import mlx.nn as nn
+
+    from mlx_dspark.models import hybrid
+
+    for seed in range(3):
+        mx.random.seed(seed)
+        C, K, L = 96, 4, 11
+        conv = nn.Conv1d(C, C, kernel_size=K, groups=C, padding=0, bias=False)
+        x = mx.random.normal((2, L, C))
+        got = hybrid.depthwise_conv(conv, x)
+        assert got.shape == (2, L - K + 1, C)
+        assert mx.allclose(got, conv(x), rtol=1e-5, atol=1e-6).item()
+        for t in range(L - K + 1):
+            one = hybrid.depthwise_conv(conv, x[:, t : t + K, :])
+            assert mx.array_equal(one[:, 0], got[:, t]).item()

@@ -87,7 +87,7 @@ class ReplayArraysCache(ArraysCache):
             raise RuntimeError(f"cannot roll a recurrent layer back {n} positions: its last forward fed {width}")
         m = r.width - n
         keep = r.module.conv_kernel_size - 1
-        self[0] = mx.contiguous(r.conv_input[:, m : m + keep, :])
+        self[0] = r.conv_input[:, m : m + keep, :]  # a view (no copy): the next forward concatenates it
         if m == 0:
             self[1] = r.state_before
             return
@@ -145,7 +145,9 @@ def _recording_call(self, inputs, mask=None, cache=None, *, _base, _globals):
         conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
     conv_input = mx.concatenate([conv_state, mixed], axis=1)
     cache[0] = mx.contiguous(conv_input[:, -(self.conv_kernel_size - 1) :, :])
-    conv_out = nn.silu(self.conv1d(conv_input))
+    lang = kernel_lang(self, None, None, head_k_dim=self.head_k_dim)
+    conv = self.conv1d(conv_input) if lang is None else depthwise_conv(self.conv1d, conv_input)
+    conv_out = nn.silu(conv)
     q, k, v = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(
@@ -157,7 +159,6 @@ def _recording_call(self, inputs, mask=None, cache=None, *, _base, _globals):
     state = cache[1]
     q, k = _globals["normalize_qk"](q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
     update = _globals["gated_delta_update"]
-    lang = kernel_lang(self, k, v)
     if lang is None:
         out, new_state = update(q, k, v, a, b, self.A_log, self.dt_bias, state, None, use_kernel=not self.training)
         cache.round = GDNRound(conv_input, q, k, v, a, b, state, S, self, update)
@@ -174,16 +175,20 @@ def _recording_call(self, inputs, mask=None, cache=None, *, _base, _globals):
     return self.out_proj(out.reshape(B, S, -1))
 
 
-def kernel_lang(module, k: mx.array, v: mx.array) -> str | None:
+def kernel_lang(module, k: mx.array | None = None, v: mx.array | None = None, head_k_dim: int = 0) -> str | None:
     """Where this GDN forward runs kernels/gdn_replay.py's native recurrence: "cuda" on MLX's CUDA
     backend in eval mode for shapes the kernel takes (unless MLX_DSPARK_GDN_KERNEL=0), else None
-    (mlx-lm's gated_delta_update)."""
+    (mlx-lm's gated_delta_update). Shapes from k / v, or from the module's head sizes."""
     import os
 
     if module.training or os.environ.get("MLX_DSPARK_GDN_KERNEL", "1") == "0":
         return None
     if gdn_replay.replay_path() != "cuda":
         return None
+    if k is None:
+        dk = head_k_dim or module.head_k_dim
+        k = mx.zeros((1, 1, module.num_k_heads, dk))
+        v = mx.zeros((1, 1, module.num_v_heads, 1))
     probe = mx.zeros((1, 1, 1, 1), dtype=mx.float32)  # the state the kernel keeps is float32
     if not gdn_replay.supported(k, v, probe):
         return None
@@ -199,6 +204,20 @@ def _warn_once(msg: str) -> None:
     import warnings
 
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+def depthwise_conv(conv1d, x: mx.array) -> mx.array:
+    """What the GDN layer's depthwise nn.Conv1d (groups = channels, no padding, no bias) computes
+    over x [B, L, C], as K shifted elementwise products summed in tap order: each output position
+    is computed the same way whatever L is (a backend's convolution may pick another algorithm
+    by size), so a verify forward's rows equal plain steps'. Used on the native-kernel route."""
+    w = conv1d.weight  # [C, K, 1]
+    K = w.shape[1]
+    S = x.shape[1] - K + 1
+    y = x[:, 0:S, :] * w[:, 0, 0]
+    for j in range(1, K):
+        y = y + x[:, j : j + S, :] * w[:, j, 0]
+    return y
 
 
 def gdn_modules(layers) -> list:
