@@ -212,7 +212,8 @@ def report(args, prep, ref, ours, peer, prompts) -> tuple[str, dict]:
             f"({k}: {v.get('bits')}-bit, draft vocabulary {v.get('draft_vocab')})" for k, v in ours["drafters"].items()
         )
         + f"; the peer loads its {prep['dtype']} dequantized copy unquantized (`--drafter-bits 0`).",
-        f"Peer: {peer['file']}; lookup drafts {peer['lookup_drafts']}, drafter window {peer['drafter_window']}; "
+        f"Peer: {peer['file']} (Python {peer['python']}; {json.dumps(peer['packages'])}); "
+        f"lookup drafts {peer['lookup_drafts']}, drafter window {peer['drafter_window']}; "
         f"kernel gates: {json.dumps(peer['gates'])}.",
         "",
         "| tok/s | " + " | ".join(cols) + " | accept |",
@@ -305,12 +306,15 @@ def main() -> int:
     site, deps = work / "peer_site", work / "peer_deps"
     install_peer(Path(args.peer_wheels), site, deps, args.peer_python)
     prompts = read_prompts(Path(args.eval_dir), args.domains, args.n)
+    paths = {"peer_site": str(site), "peer_deps": str(deps)}
+    check = run_child("check", paths, work, args.peer_python, "peer")  # fails here, before any timing
+    say(f"peer {check['version']} imports from {check['file']}; around it: {json.dumps(check['packages'])}")
     model = args.model or os.environ.get("MLX_DSPARK_DEMO_GGUF")
     base = {"work": str(work), "model": model, "drafter": str(Path(args.drafter).resolve()), "dtype": args.dtype}
     prep = run_child("prep", base, work, sys.executable, "ours")
     job = {**base, **{k: prep[k] for k in ("target_dir", "drafter_dir")}, "prompts": prompts, "tokens": args.tokens,
-           "trials": args.trials, "caps": [int(c) for c in args.caps.split(",")], "peer_site": str(site),
-           "peer_deps": str(deps), "ours_bits": args.ours_bits.split(",")}  # fmt: skip
+           "trials": args.trials, "caps": [int(c) for c in args.caps.split(",")], **paths,
+           "ours_bits": args.ours_bits.split(",")}  # fmt: skip
     # the time left, shared by the sides in proportion to their modes (ref 1, ours 1+bits, peer 1+caps)
     weights = {"ref": 1, "ours": 1 + len(job["ours_bits"]), "peer": 1 + len(job["caps"])}
     left = lambda: args.budget_s - (time.time() - t0)  # noqa: E731
@@ -323,6 +327,7 @@ def main() -> int:
     ours = run_child("ours", job, work, sys.executable, "ours")
     job["deadline"] = time.time() + left()
     peer = run_child("peer", job, work, args.peer_python, "peer")
+    peer["packages"] = check["packages"]
     text, record = report(args, prep, ref, ours, peer, [{k: v for k, v in p.items() if k != "ids"} for p in prompts])
     text += f"\n(whole run {time.time() - t0:.0f}s)\n"
     print(text)

@@ -226,15 +226,34 @@ def _peer_path(job: dict) -> None:
     sys.path.append(job["peer_deps"])
 
 
-def role_peer(job: dict) -> dict:
+def _import_peer(job: dict):
     _peer_path(job)
-    import mlx.core as mx
-
     import mlx_dspark as peer
 
     here = Path(peer.__file__).resolve()
     assert str(here).startswith(os.path.realpath(job["peer_site"])), f"imported {here}, not the peer"
     assert peer.__version__ == PEER_VERSION, peer.__version__
+    return peer, here
+
+
+def role_check(job: dict) -> dict:
+    """Before any timing: the peer imports here, and with which packages around it."""
+    from importlib.metadata import version
+
+    peer, here = _import_peer(job)
+    found = {}
+    for name in ("mlx", "mlx-lm", "mlx-vlm", "transformers", "huggingface-hub", "numpy", "requests", "pillow"):
+        try:
+            found[name] = version(name)
+        except Exception:
+            found[name] = None
+    return {"file": str(here), "version": peer.__version__, "python": sys.version.split()[0], "packages": found}
+
+
+def role_peer(job: dict) -> dict:
+    peer, here = _import_peer(job)
+    import mlx.core as mx
+
     cal = importlib.import_module("mlx_dspark.calibrate")  # the package's `calibrate` is a function
     from mlx_dspark.generate import encode_prompt, greedy_generate, speculative_generate
     from mlx_dspark.load import load_drafter, load_target, lookup_drafts_default, resolve_drafter_window
@@ -277,7 +296,7 @@ def role_peer(job: dict) -> dict:
     }  # fmt: skip
 
 
-ROLES = {"prep": role_prep, "ref": role_ref, "ours": role_ours, "peer": role_peer}
+ROLES = {"check": role_check, "prep": role_prep, "ref": role_ref, "ours": role_ours, "peer": role_peer}
 
 
 def child_main(role: str, job_path: str) -> int:
