@@ -65,25 +65,24 @@ def retype_modules(modules, cls) -> None:
 _sdpa_before_cpu_prefill = None
 
 
-def route_prefill_attention_to_cpu_op() -> None:
+def route_prefill_attention_to_cpu_op(op) -> None:
     """mlx-lm (0.32.x) attention layers call mx.fast.scaled_dot_product_attention (MLX 0.32.x) by
     attribute at call time, with mask "causal" for a prefill chunk. MLX's CPU fallback computes
     the softmax's exp one float at a time, which made a 20k-token prefill take half an hour on
     2 cores. Wrap that attribute once so that, while kernels.cpu_attention.active() is on in the
     calling thread, a long float32 causal call on the CPU runs kernels/cpu_attention.py's blocked
-    numpy op; every other call (other threads, GPUs, short prompts, array masks) goes through."""
+    numpy op; every other call (other threads, GPUs, short prompts, array masks) goes through.
+    `op` is that module (passed in, so compat imports nothing of kernels/ for it)."""
     global _sdpa_before_cpu_prefill
     import mlx.core as mx
 
     if _sdpa_before_cpu_prefill is not None:
         return
-    from .kernels import cpu_attention
-
     original = mx.fast.scaled_dot_product_attention
 
     def scaled_dot_product_attention(q, k, v, *args, scale=None, mask=None, **kwargs):
-        if not args and not kwargs.get("sinks") and cpu_attention.wants(q, k, v, mask, scale):
-            return cpu_attention.attention(q, k, v, float(scale))
+        if not args and not kwargs.get("sinks") and op.wants(q, k, v, mask, scale):
+            return op.attention(q, k, v, float(scale))
         return original(q, k, v, *args, scale=scale, mask=mask, **kwargs)
 
     _sdpa_before_cpu_prefill = original

@@ -20,6 +20,7 @@ between them.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import mlx.core as mx
@@ -36,7 +37,7 @@ def active():
     """Route long causal float32 attention on the CPU through `attention` inside this block (this thread)."""
     from ..compat import route_prefill_attention_to_cpu_op
 
-    route_prefill_attention_to_cpu_op()
+    route_prefill_attention_to_cpu_op(sys.modules[__name__])
     prev = getattr(_local, "on", False)
     _local.on = True
     try:
