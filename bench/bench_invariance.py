@@ -110,11 +110,7 @@ def main() -> int:
 
     decode_path = invariance.path_of(target)
     attention = invariant.attention_path() if decode_path != "native" else "MLX's own"
-    linears = (
-        (target.linear_strategy if target.linear_strategy == "gemv" else invariant_linear.linear_path())
-        if decode_path.startswith("kernels")
-        else "MLX's own"
-    )
+    linears = invariant_linear.linear_path() if decode_path == "kernels" else "MLX's own"
     width = f", decode width {target.decode_width}" if decode_path == "fixed" else ""
     lines = [
         head,

@@ -244,23 +244,48 @@ def test_cuda_affine(dtype, bits, group):
         assert_rows_invariant(lambda r: il.affine_gpu(r, wq, s, b, bits), x, f"cuda q{bits}g{group} {dtype}")
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16], ids=["bf16", "f16"])
-@pytest.mark.parametrize("kind", ["dense", "q4g64", "q8g32"])
-def test_cuda_gemv_strategy(dtype, kind):
-    """MLX's single-row kernels, every row its own batch element: invariant on this backend (the
-    load self-check measures the same property on the whole forward before it picks this)."""
-    K, N = 576, 1536
-    with mx.stream(mx.gpu):
-        if kind == "dense":
-            layer = nn.Linear(K, N, bias=True)
-            layer.update({"weight": rand((N, K), dtype, 30, 0.05), "bias": rand((N,), dtype, 31)})
-        else:
-            bits, group = int(kind[1]), int(kind[3:])
-            layer = nn.QuantizedLinear(K, N, bias=False, group_size=group, bits=bits)
-            wq, s, b = quantized(N, K, dtype, bits, group, 32)
-            layer.update({"weight": wq, "scales": s, "biases": b})
-        x = rand((MAX_M + 2, K), dtype, 33)
-        assert_rows_invariant(lambda r: il.call(layer, r, strategy="gemv"), x, f"gemv {kind} {dtype}")
-        assert mx.array_equal(il.call(layer, x[:1], strategy="gemv"), layer(x[:1])).item()  # a plain step is MLX's own
+def test_gpu_plans_launch_what_the_instances_take(monkeypatch):
+    """The per-layer launch plans of the GPU path, with the JIT kernel replaced by a stand-in that
+    computes the reference from exactly the inputs, template and launch shape it is given (the
+    kernel itself is tested on the device above and on CPU threads)."""
+    calls = []
+
+    def fake(lang, kind):
+        def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            t = dict(template)
+            x = inputs[0]
+            M, N = output_shapes[0]
+            assert x.ndim == 2 and x.shape[0] == M and threadgroup == (il.THREADS, 1, 1)
+            assert grid == (-(-N // il.COLS) * il.THREADS, 1, 1) and t["T"] == x.dtype == output_dtypes[0]
+            if kind == "dense":
+                w, b = inputs[1], inputs[2]
+                y = il.invariant_linear_reference(x, w, bias=b if t["HAS_BIAS"] else None)
+            else:
+                wq, s, bb, b = inputs[1:]
+                group = x.shape[1] // s.shape[1]
+                y = il.invariant_linear_reference(
+                    x, wq, s, bb, bias=b if t["HAS_BIAS"] else None, group_size=group, bits=t["BITS"]
+                )
+            calls.append((kind, M, t.get("BITS")))
+            return (y,)
+
+        return run
+
+    monkeypatch.setattr(il, "_kernel", fake)
+    monkeypatch.setattr(il, "linear_path", lambda: "cuda")
+    il.reset()
+    try:
+        x = rand((2, 3, 64), mx.float32, 40)
+        lin = nn.Linear(64, 24)
+        assert mx.allclose(il.call(lin, x), lin(x), atol=1e-5).item()
+        emb = nn.Embedding(50, 64)
+        assert mx.allclose(il.call(emb, x, as_linear=True), emb.as_linear(x), atol=1e-5).item()
+        for bits in il.BITS:
+            q = nn.QuantizedLinear(64, 16, bits=bits, group_size=32)
+            assert mx.allclose(il.call(q, x), q(x), atol=1e-4).item()
+        assert [c[0] for c in calls] == ["dense", "dense"] + ["affine"] * len(il.BITS)
+        assert all(c[1] == 6 for c in calls)  # [2, 3, K] runs as one 6-row launch
+        assert il.call(nn.QuantizedLinear(64, 16, bits=3, group_size=32), x) is None
+        assert il.call(lin, x.astype(mx.float16)) is None  # a dtype the weight does not have: MLX's op
+    finally:
+        il.reset()

@@ -151,7 +151,7 @@ def route_linears_to_invariant_op() -> None:
 
         def routed(self, x, _original=original, _as_linear=as_linear):
             if invariant.is_active():
-                y = invariant_linear.call(self, x, as_linear=_as_linear, strategy=invariant.linear_strategy())
+                y = invariant_linear.call(self, x, as_linear=_as_linear)
                 if y is not None:
                     return y
             return _original(self, x)

@@ -202,9 +202,12 @@ def native_status() -> dict:
 
 def reset() -> None:
     """Forget the extension's load attempt and the routes chosen (tests)."""
+    from . import invariant_linear
+
     _native.forget()
     _routes.clear()
     _checked.clear()
+    invariant_linear.reset()
 
 
 __all__ = [

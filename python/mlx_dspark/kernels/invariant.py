@@ -36,25 +36,19 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def active(linears: str = "kernel"):
-    """Route causal attention (and, where compat routes them, the linear layers, computed by the
-    `linears` strategy of kernels/invariant_linear.py) through the invariant ops inside this
-    block (this thread only)."""
-    prev = getattr(_local, "on", False), getattr(_local, "linears", "kernel")
-    _local.on, _local.linears = True, linears
+def active():
+    """Route causal attention (and, where compat routes them, the linear layers) through the
+    invariant ops inside this block (this thread only)."""
+    prev = getattr(_local, "on", False)
+    _local.on = True
     try:
         yield
     finally:
-        _local.on, _local.linears = prev
+        _local.on = prev
 
 
 def is_active() -> bool:
     return getattr(_local, "on", False)
-
-
-def linear_strategy() -> str:
-    """The linear strategy of the innermost active() block of this thread."""
-    return getattr(_local, "linears", "kernel")
 
 
 # ------------------------------------------------------------------------------- reference

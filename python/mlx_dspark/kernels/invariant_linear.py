@@ -8,12 +8,7 @@ but a plain step then pays for a width-W GEMM (H200, bf16: 196 -> 111 tok/s). Th
 the real width: a row's sum runs in one fixed order that does not look at M, and the weight row is
 read from memory once for all rows (small-M products are memory-bound), so M = 1 costs a gemv.
 
-Strategies (`strategies()`, tried in order by the load self-check):
-  gemv       GPUs: MLX's own single-row kernels (gemv / qmv), every row its own batch element of
-             one call; a plain step is then exactly MLX's own M = 1 product
-  kernel     this module's kernels, by path below
-
-Paths of the kernel strategy (`linear_path()`), per backend:
+Paths (`linear_path()`), per backend:
   cuda       the GPU body (kernels/gpu/invariant_linear.h) through mx.fast.cuda_kernel
   metal      the same body through mx.fast.metal_kernel (compile-checked on Linux)
   native     CPU: the C++ primitive of mlx_dspark._ext (csrc/invariant_linear.cpp), dense weights
@@ -68,14 +63,6 @@ def invariant_linear_reference(
     if bias is not None:
         y = y + bias.astype(mx.float32)
     return y.astype(x.dtype)
-
-
-def batched_rows(x2: mx.array, product) -> mx.array:
-    """Each row of x2 [M, K] as its own batch element of ONE call: `product` gets [M, 1, K], so
-    MLX runs its single-row kernel (gemv / qmv) for every row, the same one a plain step runs.
-    Invariant where that kernel's configuration depends on the weight's shape only, not on the
-    batch (measured at load by the self-check, never assumed)."""
-    return product(x2[:, None, :])[:, 0, :]
 
 
 def rowwise(x2: mx.array, product) -> mx.array:
@@ -180,15 +167,7 @@ def affine_gpu(x2, wq, scales, biases, bits: int, bias=None, lang: str = "cuda")
 
 
 # ------------------------------------------------------------------------------------ dispatch
-STRATEGIES = ("gemv", "kernel")  # how `call` computes: MLX's single-row kernels batched, or ours
 _paths: dict = {}
-
-
-def strategies() -> tuple[str, ...]:
-    """The strategies the load self-check tries on the default device, cheapest first: on a GPU
-    MLX's own single-row kernels batched over the rows (a plain step then costs exactly what it
-    costs without invariance), then this module's kernels; on the CPU this module's kernels."""
-    return ("kernel",) if mx.default_device() == mx.cpu else STRATEGIES
 
 
 def linear_path() -> str:
@@ -252,41 +231,129 @@ def affine(x, wq, scales, biases, group_size: int, bits: int, bias=None) -> mx.a
     return y.reshape(*lead, wq.shape[0])
 
 
-def _gemv(layer, x: mx.array, as_linear: bool) -> mx.array | None:
-    bias = None if as_linear else layer.get("bias") if "bias" in layer else None
-    K = x.shape[-1]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        wq, s, b = layer["weight"], layer["scales"], layer.get("biases")
-        mode = getattr(layer, "mode", "affine")
-        y = batched_rows(
-            x2,
-            lambda r: mx.quantized_matmul(
-                r, wq, s, b, transpose=True, group_size=layer.group_size, bits=layer.bits, mode=mode
-            ),
-        )
-    else:
-        w = layer["weight"]
-        y = batched_rows(x2, lambda r: r @ w.T)
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*lead, y.shape[-1])
+_plans: dict = {}  # (id(layer), as_linear) -> (layer, weight, device, plan or None)
 
 
-def call(layer, x: mx.array, as_linear: bool = False, strategy: str = "kernel") -> mx.array | None:
+def call(layer, x: mx.array, as_linear: bool = False) -> mx.array | None:
     """The invariant product of an mlx.nn layer (Linear, QuantizedLinear, or an Embedding /
-    QuantizedEmbedding used as the tied lm_head) by `strategy`, or None where it has none."""
-    if strategy == "gemv":
-        if not isinstance(layer, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)):
-            return None
-        return _gemv(layer, x, as_linear)
+    QuantizedEmbedding used as the tied lm_head), or None where it has no invariant path.
+
+    Hot path: a decode step calls this for every linear layer, so what can be decided once per
+    layer (kind, weights, path, launch shape) is, and cached until the layer's weight changes."""
+    key = (id(layer), as_linear)
+    hit = _plans.get(key)
+    device = mx.default_device()
+    if hit is None or hit[0] is not layer or hit[1] is not layer.get("weight") or hit[2] != device:
+        hit = _plans[key] = (layer, layer.get("weight"), device, _plan(layer, as_linear))
+    plan = hit[3]
+    return None if plan is None else plan(x)
+
+
+def _plan(layer, as_linear: bool):
+    """A function x -> the layer's invariant product (None for an input it does not take), or
+    None for a layer kind with no invariant path here."""
+    bias = None if as_linear or "bias" not in layer else layer["bias"]
     if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         if getattr(layer, "mode", "affine") != "affine":
             return None
-        bias = None if as_linear else layer.get("bias") if "bias" in layer else None
-        return affine(x, layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits, bias)
+        wq, scales, biases = layer["weight"], layer["scales"], layer["biases"]
+        bits, group = layer.bits, layer.group_size
+        path = linear_path()
+        if path not in ("cuda", "metal") or bits not in BITS or group not in GROUPS or wq.ndim != 2:
+            return lambda x: affine(x, wq, scales, biases, group, bits, bias)  # declines: MLX's own op
+        return _affine_gpu_plan(wq, scales, biases, bits, bias, path)
     if isinstance(layer, (nn.Linear, nn.Embedding)):
-        bias = None if as_linear else layer.get("bias") if "bias" in layer else None
-        return dense(x, layer["weight"], bias)
+        return _dense_plan(layer["weight"], bias, linear_path())
     return None
+
+
+def reset() -> None:
+    """Forget the cached paths and per-layer plans (after MLX_DSPARK_KERNELS or the extension changed)."""
+    _paths.clear()
+    _plans.clear()
+
+
+def _dense_plan(weight: mx.array, bias, path: str):
+    if weight.ndim != 2 or weight.dtype not in _FLOATS or weight.shape[1] % VEC:
+        return lambda x: None
+    if path in ("cuda", "metal"):
+        return _dense_gpu_plan(weight, bias, path)
+    N, K = weight.shape
+    dt = weight.dtype
+    if path == "native":
+        fn = _native.ext(warn=False).invariant_linear
+
+        def product(x2):
+            return fn(x2, weight, bias)
+    else:
+
+        def one(r):
+            out = r @ weight.T
+            return out + bias if bias is not None else out
+
+        def product(x2):
+            return rowwise(x2, one)
+
+    def plan(x):
+        if x.dtype != dt or x.shape[-1] != K or x.size == 0:
+            return None
+        y = product(x.reshape(-1, K))
+        return y if x.ndim == 2 else y.reshape(*x.shape[:-1], N)
+
+    return plan
+
+
+def _dense_gpu_plan(weight: mx.array, bias, lang: str):
+    N, K = weight.shape
+    dt = weight.dtype
+    kern = _kernel(lang, "dense")
+    b = bias.astype(dt) if bias is not None else _no_bias(dt)
+    template = [("T", dt), ("HAS_BIAS", bias is not None)]
+    grid, group = (-(-N // COLS) * THREADS, 1, 1), (THREADS, 1, 1)
+    dtypes = [dt]
+
+    def plan(x):
+        if x.dtype != dt or x.shape[-1] != K or x.size == 0:
+            return None
+        M = x.size // K
+        (out,) = kern(
+            inputs=[x.reshape(M, K), weight, b],
+            template=template,
+            grid=grid,
+            threadgroup=group,
+            output_shapes=[(M, N)],
+            output_dtypes=dtypes,
+        )
+        return out if x.ndim == 2 else out.reshape(*x.shape[:-1], N)
+
+    return plan
+
+
+def _affine_gpu_plan(wq, scales, biases, bits: int, bias, lang: str):
+    N, K = wq.shape[0], wq.shape[1] * 32 // bits
+    kern = _kernel(lang, "affine")
+    cache: dict = {}  # x dtype -> (inputs after x, template)
+
+    def plan(x):
+        dt = x.dtype
+        if dt not in _FLOATS or x.shape[-1] != K or x.size == 0 or K % VEC:
+            return None
+        fixed = cache.get(dt)
+        if fixed is None:
+            b = bias.astype(dt) if bias is not None else _no_bias(dt)
+            fixed = cache[dt] = (
+                [wq, scales.astype(dt), biases.astype(dt), b],
+                [("T", dt), ("BITS", bits), ("HAS_BIAS", bias is not None)],
+            )
+        M = x.size // K
+        (out,) = kern(
+            inputs=[x.reshape(M, K)] + fixed[0],
+            template=fixed[1],
+            grid=(-(-N // COLS) * THREADS, 1, 1),
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[(M, N)],
+            output_dtypes=[dt],
+        )
+        return out if x.ndim == 2 else out.reshape(*x.shape[:-1], N)
+
+    return plan

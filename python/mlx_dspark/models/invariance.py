@@ -8,11 +8,11 @@ a width-1 step goes through different reduction orders, and a near-tie in the lo
 
   * kernels (the default where the native forward is not invariant): every decode forward (plain
     step, verify round, the prompt's last token) runs at its real width, with the linear layers
-    and the lm_head computed by kernels/invariant_linear.py (on a GPU first as MLX's own
-    single-row kernels batched over the rows, else by its kernels, in which each row reduces in
-    one fixed order that never looks at the number of rows: `target.linear_strategy`) and
-    attention over the cache by kernels/invariant.py (each query row reduces over its own causal
-    keys in fixed chunks). A plain step costs what a gemv costs.
+    and the lm_head computed by kernels/invariant_linear.py (each row reduces in one fixed order
+    that never looks at the number of rows; MLX's own single-row kernels batched over the rows
+    are not invariant on CUDA: measured) and attention over the cache by kernels/invariant.py
+    (each query row reduces over its own causal keys in fixed chunks). A plain step reads each
+    weight once, as a gemv does.
   * fixed width (the fallback, e.g. for a layer kind the kernels do not take): every decode forward
     runs at ONE width W, padded with copies of its last token (the pad positions are written to
     the cache and trimmed off at once), so every op always sees M = W; attention still runs the
@@ -121,12 +121,9 @@ def choose(target) -> str:
     if mode == "auto" and rows_match(target):
         return "native"
     if mode in ("auto", "kernels"):
-        from ..kernels import invariant_linear
-
-        for strategy in invariant_linear.strategies():
-            _enable_kernels(target, strategy)
-            if rows_match(target):
-                return "kernels"
+        _enable_kernels(target)
+        if rows_match(target):
+            return "kernels"
         _disable(target)
     if mode in ("auto", "fixed") and fixed_width_ok(target.make_cache()):
         _enable_fixed(target)
@@ -146,14 +143,12 @@ def choose(target) -> str:
     return "none"
 
 
-PATHS = ("native", "kernels:gemv", "kernels:kernel", "fixed")
+PATHS = ("native", "kernels", "fixed")
 
 
 def path_of(target) -> str:
-    """native | kernels:gemv | kernels:kernel | fixed: the decode path the target runs now."""
-    if target.invariant_kernels:
-        return f"kernels:{target.linear_strategy}"
-    return "fixed" if target.decode_width else "native"
+    """native | kernels | fixed: the decode path the target runs now."""
+    return "kernels" if target.invariant_kernels else "fixed" if target.decode_width else "native"
 
 
 def set_path(target, path: str) -> None:
@@ -161,8 +156,8 @@ def set_path(target, path: str) -> None:
     if path not in PATHS:
         raise ValueError(f"decode path {path!r}: expected one of {', '.join(PATHS)}")
     _disable(target)
-    if path.startswith("kernels:"):
-        _enable_kernels(target, path.split(":", 1)[1])
+    if path == "kernels":
+        _enable_kernels(target)
     elif path == "fixed":
         _enable_fixed(target)
 
@@ -172,13 +167,12 @@ def _disable(target) -> None:
     target.invariant_kernels = False
 
 
-def _enable_kernels(target, strategy: str = "kernel") -> None:
+def _enable_kernels(target) -> None:
     from ..compat import route_causal_attention_to_invariant_op, route_linears_to_invariant_op
 
     route_causal_attention_to_invariant_op()
     route_linears_to_invariant_op()
     target.invariant_kernels = True
-    target.linear_strategy = strategy
 
 
 def _enable_fixed(target) -> None:
@@ -192,6 +186,6 @@ def forward_kernels(target, tokens: mx.array, cache: list, taps):
     """target's forward at its real width with the invariant linears and attention."""
     from ..kernels import invariant
 
-    with invariant.active(getattr(target, "linear_strategy", "kernel")):
+    with invariant.active():
         out = target._forward_native(tokens, cache, taps, False)
     return out.logits, out.hidden

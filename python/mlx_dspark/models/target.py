@@ -94,7 +94,6 @@ class Target:
         # at their real width through the invariant kernels, or every one at width W = decode_width
         # (0: not) with the invariant attention; neither: the native forward.
         self.invariant_kernels = False
-        self.linear_strategy = "kernel"  # kernels/invariant_linear.py's strategy on the kernel path
         self.decode_width = 0
         self.invariance = "unchecked"
 
