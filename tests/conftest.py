@@ -28,6 +28,9 @@ _found = _demo.find_demo_gguf()
 if _found is not None:
     os.environ[_demo.ENV_PATH] = str(_found[0])
 os.environ["MLX_DSPARK_CACHE"] = tempfile.mkdtemp(prefix="mlx-dspark-test-cache-")
+# The width-invariance verdict is measured at every load in tests (tests patch the check); its disk
+# cache has its own test (tests/test_invariant_forward.py).
+os.environ["MLX_DSPARK_INVARIANT_CACHE"] = "off"
 
 
 def _listing(root: Path) -> dict:

@@ -177,3 +177,34 @@ def test_a_forward_that_is_not_invariant_is_reported(path, monkeypatch):
     with pytest.warns(UserWarning, match="may differ from --mode baseline"):
         target, _ = md.load_target(path, dtype="bfloat16")
     assert target.invariance == "none" and target.decode_width == 0
+
+
+def test_the_verdict_is_kept_on_disk_and_reused(path, monkeypatch, tmp_path):
+    """The measured verdict is stored (keyed by software, device, architecture, precision and
+    settings) and reused at the next load without measuring; refresh, another setting, and a
+    corrupt file measure again."""
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT_CACHE", "auto")
+    calls = []
+    real = invariance.rows_match
+    monkeypatch.setattr(invariance, "rows_match", lambda t: calls.append(1) or real(t))
+    first, _ = md.load_target(path, dtype="float32")
+    measured = len(calls)
+    assert measured >= 1 and first.invariance in invariance.VERDICTS
+    files = list((tmp_path / "invariance").glob("*.json"))
+    assert len(files) == 1
+    again, _ = md.load_target(path, dtype="float32")
+    assert again.invariance == first.invariance and len(calls) == measured  # from disk
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT_CACHE", "refresh")
+    md.load_target(path, dtype="float32")
+    assert len(calls) > measured
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT_CACHE", "auto")
+    n = len(calls)
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "kernels")  # another setting: another key
+    other, _ = md.load_target(path, dtype="float32")
+    assert other.invariance == "kernels" and len(calls) > n and len(list((tmp_path / "invariance").glob("*.json"))) == 2
+    monkeypatch.delenv("MLX_DSPARK_INVARIANT")
+    files[0].write_text("{not json")
+    n = len(calls)
+    md.load_target(path, dtype="float32")
+    assert len(calls) > n  # a corrupt entry is measured again, never trusted

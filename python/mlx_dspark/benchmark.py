@@ -180,9 +180,9 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 # ------------------------------------------------------------------ `mlx-dspark benchmark`
 def precision(target) -> str:
     """The target's weights as this run holds them: e.g. "float32", "bfloat16, 4-bit (group 64)"."""
-    from .decode.costs import _weights
+    from .models.precision import weights_summary
 
-    dtypes, quant = _weights(target.model)
+    dtypes, quant = weights_summary(target.model)
     q = ", ".join(f"{b}-bit (group {g})" for b, g in quant)
     return dtypes.replace("mlx.core.", "") + (f", {q}" if q else "")
 

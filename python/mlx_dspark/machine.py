@@ -1,4 +1,4 @@
-"""What machine this is, in words: the processor's name (for benchmark records and cost keys)."""
+"""What machine this is, in words: the processor's and the device's names (benchmark records, cache keys)."""
 
 from __future__ import annotations
 
@@ -16,3 +16,17 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def device_name() -> str:
+    """The default device in words: "cpu: <processor>; <n> cores" or "gpu: <name>"."""
+    import os
+
+    import mlx.core as mx
+
+    if mx.default_device() == mx.cpu:
+        return f"cpu: {cpu_name()}; {os.cpu_count()} cores"
+    try:
+        return f"gpu: {mx.device_info().get('device_name', 'gpu')}"
+    except Exception:
+        return "gpu"

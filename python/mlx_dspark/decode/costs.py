@@ -101,37 +101,13 @@ def cache_dir() -> Path:
     return cache_root() / "calibration"
 
 
-def device_name() -> str:
-    dev = mx.default_device()
-    if dev == mx.cpu:
-        from ..machine import cpu_name
-
-        return f"cpu: {cpu_name()}; {os.cpu_count()} cores"
-    try:
-        return f"gpu: {mx.device_info().get('device_name', 'gpu')}"
-    except Exception:
-        return "gpu"
-
-
-def _weights(model) -> tuple[str, list]:
-    from mlx.utils import tree_flatten
-
-    dtypes, quant = set(), set()
-    for name, m in model.named_modules():
-        bits = getattr(m, "bits", None)
-        if bits is not None and hasattr(m, "scales"):
-            quant.add((int(bits), int(getattr(m, "group_size", 0))))
-    for _, p in tree_flatten(model.parameters()):
-        if mx.issubdtype(p.dtype, mx.floating):
-            dtypes.add(str(p.dtype))
-    return ",".join(sorted(dtypes)), sorted(quant)
-
-
 def key_for(target, drafter=None) -> dict:
     from .._version import __version__
     from ..blas import active_blas
+    from ..machine import device_name
+    from ..models.precision import weights_summary
 
-    dtypes, quant = _weights(target.model)
+    dtypes, quant = weights_summary(target.model)
     key = {
         "v": VERSION,
         "mlx": mx.__version__,

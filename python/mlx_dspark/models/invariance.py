@@ -107,10 +107,79 @@ def rows_match(target, n_prefix: int = 23, n_cont: int = 6) -> bool:
 _warned: set = set()
 
 
+def _verdict_key(target, mode: str) -> dict:
+    """Everything the verdict depends on: the software, the device (and BLAS), the architecture
+    and precision of the weights, and the settings."""
+    from .._version import __version__
+    from ..blas import active_blas
+    from ..kernels import native
+    from ..machine import device_name
+    from .precision import weights_summary
+
+    tc = target.config.get("text_config", target.config)
+    dtypes, quant = weights_summary(target.model)
+    return {
+        "v": 1,
+        "mlx": mx.__version__,
+        "mlx_dspark": __version__,
+        "native_ext": native.ext(warn=False) is not None,
+        "device": device_name(),
+        "blas": active_blas()["name"] if mx.default_device() == mx.cpu else None,
+        "config": {k: v for k, v in sorted(tc.items()) if isinstance(v, (int, float, str, bool, type(None)))},
+        "dtypes": dtypes,
+        "quant": quant,
+        "kv_bits": target.kv_bits,
+        "mode": mode,
+        "width": decode_width(),
+        "env": {k: os.environ.get(k, "") for k in ("MLX_DSPARK_KERNELS", "MLX_DSPARK_GDN_KERNEL")},
+    }
+
+
+def _verdict_file(key: dict):
+    import hashlib
+    import json
+
+    from ..paths import cache_root
+
+    h = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return cache_root() / "invariance" / f"{h}.json"
+
+
+def _cached_verdict(key: dict) -> str | None:
+    import json
+
+    try:
+        data = json.loads(_verdict_file(key).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = data.get("key") == json.loads(json.dumps(key, default=str)) and data.get("verdict") in VERDICTS
+    return data["verdict"] if ok else None
+
+
+def _store_verdict(key: dict, verdict: str) -> None:
+    import json
+    import tempfile
+
+    p = _verdict_file(key)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "verdict": verdict}, f, default=str)
+        os.replace(tmp, p)
+    except OSError:
+        pass  # a read-only cache: the check runs again next time
+
+
+VERDICTS = ("native", "kernels", "fixed-width", "none")
+
+
 def choose(target) -> str:
     """Decide the decode path by measurement (target.invariant_kernels, target.decode_width); return
     the verdict: native | kernels | fixed-width | forced | off | none (no invariant path: drafting
-    modes may differ)."""
+    modes may differ). The measured verdict is kept on disk ($MLX_DSPARK_CACHE/invariance, keyed by
+    the software, device, BLAS, architecture, precision and settings) and reused at the next load;
+    MLX_DSPARK_INVARIANT_CACHE=refresh measures again, =off neither reads nor writes it."""
     mode = setting()
     _disable(target)
     if mode == "off":
@@ -118,6 +187,28 @@ def choose(target) -> str:
     if mode == "force":
         _enable_fixed(target)
         return "forced"
+    cache = os.environ.get("MLX_DSPARK_INVARIANT_CACHE", "auto").strip().lower()
+    key = _verdict_key(target, mode) if cache != "off" else None
+    verdict = _cached_verdict(key) if cache == "auto" else None
+    if verdict is not None:
+        _apply(target, verdict)
+        return verdict
+    verdict = _measure(target, mode)
+    if key is not None:
+        _store_verdict(key, verdict)
+    return verdict
+
+
+def _apply(target, verdict: str) -> None:
+    if verdict == "kernels":
+        _enable_kernels(target)
+    elif verdict == "fixed-width":
+        _enable_fixed(target)
+    elif verdict == "none":
+        _warn_none(target)
+
+
+def _measure(target, mode: str) -> str:
     if mode == "auto" and rows_match(target):
         return "native"
     if mode in ("auto", "kernels"):
@@ -130,6 +221,11 @@ def choose(target) -> str:
         if rows_match(target):
             return "fixed-width"
         _disable(target)
+    _warn_none(target)
+    return "none"
+
+
+def _warn_none(target) -> None:
     key = (str(mx.default_device()), target.model_type, target.kv_bits)
     if key not in _warned:
         _warned.add(key)
@@ -138,9 +234,8 @@ def choose(target) -> str:
             f"{target.model_type} on {mx.default_device()} {what}does not compute a verify row with the same "
             "arithmetic as a plain step: the drafting modes may differ from --mode baseline (near-ties "
             "can flip); baseline is exact",
-            stacklevel=3,
+            stacklevel=4,
         )
-    return "none"
 
 
 PATHS = ("native", "kernels", "fixed")

@@ -30,3 +30,18 @@ def cast_scales_f32(model: nn.Module) -> None:
     ]
     if fixed:
         model.update(tree_unflatten(fixed))
+
+
+def weights_summary(model: nn.Module) -> tuple[str, list]:
+    """(the floating dtypes of the weights, joined; the sorted (bits, group) of quantized modules)."""
+    from mlx.utils import tree_flatten
+
+    dtypes, quant = set(), set()
+    for _, m in model.named_modules():
+        bits = getattr(m, "bits", None)
+        if bits is not None and hasattr(m, "scales"):
+            quant.add((int(bits), int(getattr(m, "group_size", 0))))
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            dtypes.add(str(p.dtype))
+    return ",".join(sorted(dtypes)), sorted(quant)
