@@ -27,7 +27,7 @@ import time
 import traceback
 
 from ..errors import UserError
-from .validate import ApiError
+from .validate import ApiError, ShuttingDown
 
 log = logging.getLogger("mlx_dspark.serve")
 
@@ -192,8 +192,6 @@ class BatchScheduler:
             job.outcome = eng._outcome(job, row.run.result(), row.held)
             final = ("done", job.outcome)
             if eng._stop.is_set() and job.outcome.result.finish_reason == "cancelled":
-                from .engine import ShuttingDown
-
                 final = ("error", ShuttingDown())
         except Exception as e:
             self._fail(job, e)

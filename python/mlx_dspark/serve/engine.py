@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..decode.sampling import SamplingParams
 from ..errors import UserError
-from .validate import ApiError
+from .validate import ApiError, ShuttingDown
 
 log = logging.getLogger("mlx_dspark.serve")
 PROGRESS_AFTER_S = 3.0  # a prefill that has run this long logs its progress at every chunk
@@ -95,11 +95,6 @@ class QueueFull(ApiError):
             "rate_limit",
             headers={"Retry-After": "1"},
         )
-
-
-class ShuttingDown(ApiError):
-    def __init__(self):
-        super().__init__(503, "the server is shutting down: retry on a running server", "overloaded")
 
 
 def sampled_decoding_available() -> bool:

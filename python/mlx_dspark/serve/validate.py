@@ -256,3 +256,10 @@ def check_fields(body: dict, supported: set, refused: dict) -> list[str]:
             continue
         out.append(key)
     return out
+
+
+class ShuttingDown(ApiError):
+    """A request that arrives, or is still queued or running, while the server shuts down."""
+
+    def __init__(self):
+        super().__init__(503, "the server is shutting down: retry on a running server", "overloaded")
