@@ -1,17 +1,18 @@
 """Width-invariant causal attention over a KV cache: one query row's output never depends on how
 many queries are computed with it, nor on how long the cache is past that row.
 
-With every decode forward run at one fixed width (models/target.py), the matmuls, the quantized
-matmuls and the lm_head see the same shapes in a plain step and in a verify round, so their rows
-cannot round differently; attention is the one op whose shape still moves (the key length grows
-by one each step). This op closes that gap: each query row reduces over its own causal keys, in
-fixed chunks of CHUNK keys, in key order (kernels/gpu/invariant_attention.h says exactly how).
+The linear layers are made row-invariant by kernels/invariant_linear.py (or by running every
+decode forward at one fixed width); attention's shape moves with the block width and with the key
+length, which grows by one each step. This op closes that gap: on a GPU each query row reduces
+over its own causal keys, in fixed chunks of CHUNK keys, in key order
+(kernels/gpu/invariant_attention.h says exactly how); on the CPU each row is its own call.
 
 Paths, picked per backend (`attention_path()`):
   cuda       the GPU body through mx.fast.cuda_kernel (reads the cache through its strides: no copy)
   metal      the same body through mx.fast.metal_kernel (compile-checked on Linux)
-  reference  pure MLX, the same chunked arithmetic: on the CPU as matmuls of one query row at a
-             time (invariant_attention_rows), elsewhere elementwise (MLX_DSPARK_KERNELS=reference)
+  rows       the CPU: each query row alone through MLX's own attention, over exactly its causal
+             keys (invariant_attention_rows: the plain step's call, so bit-identical to it)
+  reference  pure MLX, the chunked arithmetic elementwise (MLX_DSPARK_KERNELS=reference)
 
 `active()` is the switch the fixed-width forward turns on: while it is on (in this thread),
 compat.py routes mlx-lm's calls of mx.fast.scaled_dot_product_attention with a causal (or no)
@@ -88,52 +89,21 @@ def invariant_attention_reference(q: mx.array, k: mx.array, v: mx.array, scale: 
     return (acc / l).reshape(B, H, Lq, D).astype(q.dtype)
 
 
-def invariant_attention_matmul(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """The reference's arithmetic with its two per-chunk reductions as matmuls of fixed shape
-    ([rows, D] x [D, CHUNK] and [rows, CHUNK] x [CHUNK, D], rows = H / Hkv * Lq): the CPU path,
-    several times faster than the elementwise form. Its invariance rests on a matmul's rows not
-    depending on their neighbours at a fixed shape, which the load self-check measures."""
-    B, H, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    rep = H // Hkv
-    f32 = mx.float32
-    qf = q.astype(f32).reshape(B, Hkv, rep * Lq, D) * scale
-    n = mx.tile(mx.arange(Lq) + (Lk - Lq + 1), (rep,)).reshape(1, 1, rep * Lq, 1)
-    nch = -(-Lk // CHUNK)
-    pad = nch * CHUNK - Lk
-    kf, vf = k.astype(f32), v.astype(f32)
-    if pad:
-        z = mx.zeros((B, Hkv, pad, D), dtype=f32)
-        kf, vf = mx.concatenate([kf, z], axis=2), mx.concatenate([vf, z], axis=2)
-    kt = kf.swapaxes(2, 3)
-    m = mx.full((B, Hkv, rep * Lq, 1), -mx.inf, dtype=f32)
-    l = mx.zeros((B, Hkv, rep * Lq, 1), dtype=f32)
-    acc = mx.zeros((B, Hkv, rep * Lq, D), dtype=f32)
-    cols = mx.arange(CHUNK).reshape(1, 1, 1, CHUNK)
-    neg_inf = mx.array(-mx.inf, dtype=f32)
-    for c in range(nch):
-        valid = (cols + c * CHUNK) < n
-        s = mx.where(valid, qf @ kt[..., c * CHUNK : (c + 1) * CHUNK], neg_inf)
-        m_new = mx.maximum(m, mx.max(s, axis=-1, keepdims=True))
-        p = mx.where(valid, mx.exp(s - m_new), 0.0)
-        alpha = mx.exp(m - m_new)
-        l = l * alpha + mx.sum(p, axis=-1, keepdims=True)
-        acc = acc * alpha + p @ vf[:, :, c * CHUNK : (c + 1) * CHUNK]
-        m = m_new
-    return (acc / l).reshape(B, H, Lq, D).astype(q.dtype)
+_MLX_SDPA = mx.fast.scaled_dot_product_attention  # MLX's own (compat wraps it after this import)
 
 
 def invariant_attention_rows(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """The CPU path: the matmul form one query at a time over its own causal keys, so every matmul
-    has H / Hkv rows whatever the block width (OpenBLAS rounds a row differently as the row count
-    changes; at one shape a row does not depend on its neighbours)."""
+    """The CPU path: each query row alone, over exactly its own causal keys, through MLX's own
+    attention (one query, no mask). A row's call then has the same shapes and values as the plain
+    step at that position, whatever the block width, so it is bit-identical to it; MLX's CPU
+    attention with one query is vectorized over the keys (the chunked forms loop in Python)."""
     Lq, Lk = q.shape[2], k.shape[2]
     if Lq == 1:
-        return invariant_attention_matmul(q, k, v, scale)
+        return _MLX_SDPA(q, k, v, scale=scale, mask=None)
     rows = []
     for i in range(Lq):
         n = Lk - Lq + i + 1
-        rows.append(invariant_attention_matmul(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], scale))
+        rows.append(_MLX_SDPA(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], scale=scale, mask=None))
     return mx.concatenate(rows, axis=2)
 
 
