@@ -289,3 +289,17 @@ def test_gpu_plans_launch_what_the_instances_take(monkeypatch):
         assert il.call(lin, x.astype(mx.float16)) is None  # a dtype the weight does not have: MLX's op
     finally:
         il.reset()
+
+
+def test_plans_do_not_keep_layers_alive():
+    """The per-layer launch plans go with their layer (a server that swaps models frees them)."""
+    import gc
+    import weakref
+
+    layer = nn.Linear(64, 8)
+    alive = weakref.ref(layer)
+    assert il.call(layer, rand((2, 64), mx.float32, 50)) is not None
+    before = len(il._plans)
+    del layer
+    gc.collect()
+    assert alive() is None and len(il._plans) == before - 1

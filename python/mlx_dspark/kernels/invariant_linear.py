@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -231,7 +232,7 @@ def affine(x, wq, scales, biases, group_size: int, bits: int, bias=None) -> mx.a
     return y.reshape(*lead, wq.shape[0])
 
 
-_plans: dict = {}  # (id(layer), as_linear) -> (layer, weight, device, plan or None)
+_plans: dict = {}  # (id(layer), as_linear) -> (weakref to the layer, weight, device, plan or None)
 
 
 def call(layer, x: mx.array, as_linear: bool = False) -> mx.array | None:
@@ -243,8 +244,10 @@ def call(layer, x: mx.array, as_linear: bool = False) -> mx.array | None:
     key = (id(layer), as_linear)
     hit = _plans.get(key)
     device = mx.default_device()
-    if hit is None or hit[0] is not layer or hit[1] is not layer.get("weight") or hit[2] != device:
-        hit = _plans[key] = (layer, layer.get("weight"), device, _plan(layer, as_linear))
+    if hit is None or hit[0]() is not layer or hit[1] is not layer.get("weight") or hit[2] != device:
+        if hit is None or hit[0]() is not layer:  # the entry goes when the layer does
+            weakref.finalize(layer, _plans.pop, key, None)
+        hit = _plans[key] = (weakref.ref(layer), layer.get("weight"), device, _plan(layer, as_linear))
     plan = hit[3]
     return None if plan is None else plan(x)
 
