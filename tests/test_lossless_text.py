@@ -156,6 +156,8 @@ def test_cli_text_equals_baseline_on_every_output_form(perm_eos):
         "--drafter-bits",
         "16",
         "--no-lookup-drafts",
+        "--max-draft",  # a fixed cap: the measured-cost policy may park a drafter on a slow machine
+        "8",
     ]
     base = _cli(*common, "--mode", "baseline", "--json")
     assert base.returncode == 0, base.stderr
