@@ -126,3 +126,27 @@ def cuda_kernel_text(
             s += f"  using {n} = {CUDA_TYPES[v]};\n"
     s += "\n" + src + "\n}\n\n} // namespace mlx::core::cu\n"
     return s
+
+
+def run_gpu_body_on_cpu(emulation: str, tmp_path) -> None:
+    """Compile tests/emulation/<emulation> (a GPU kernel body on CPU threads, metal_emu.h) with g++
+    and run it; fails the test unless it exits 0 and prints "OK". g++ is needed anyway: MLX's CPU
+    backend compiles its kernels with it."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from mlx_dspark.kernels.gpu_source import GPU_DIR
+
+    gxx = shutil.which("g++")
+    assert gxx, "g++ is needed (MLX's CPU backend compiles its kernels with it)"
+    src = Path(__file__).parent / "emulation" / emulation
+    exe = tmp_path / "emu"
+    subprocess.run(
+        [gxx, "-std=c++20", "-O1", "-pthread", "-I", str(GPU_DIR), str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("OK"), run.stdout + run.stderr

@@ -126,22 +126,7 @@ def test_gpu_body_runs_on_cpu_threads(tmp_path):
     """The body itself (not a reference) on the CPU, one std::thread per lane, SIMD shuffles
     emulated (tests/emulation/gdn_replay_emu.cpp): matches a float64 delta rule, and one
     7-position call is bitwise 7 one-position calls (what makes a replay equal plain steps)."""
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    gxx = shutil.which("g++")
-    assert gxx, "g++ is needed (MLX's CPU backend compiles its kernels with it)"
-    src = Path(__file__).parent / "emulation" / "gdn_replay_emu.cpp"
-    exe = tmp_path / "emu"
-    subprocess.run(
-        [gxx, "-std=c++20", "-O1", "-pthread", "-I", str(gs.GPU_DIR), str(src), "-o", str(exe)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.startswith("OK"), run.stdout + run.stderr
+    kt.run_gpu_body_on_cpu("gdn_replay_emu.cpp", tmp_path)
 
 
 def _kernel_target(tmp_path, name="qwen3_5", seed=3):

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import subprocess
-from pathlib import Path
 
 import kernel_text as kt
 import mlx.core as mx
@@ -128,18 +125,7 @@ def test_call_routes_layers_and_declines_what_it_cannot_take():
 def test_gpu_body_runs_on_cpu_threads(tmp_path):
     """The body itself on the CPU (tests/emulation/invariant_linear_emu.cpp): matches a float64
     product for dense and 2/4/8-bit weights at every group size, and is bitwise invariant in M."""
-    gxx = shutil.which("g++")
-    assert gxx, "g++ is needed (MLX's CPU backend compiles its kernels with it)"
-    src = Path(__file__).parent / "emulation" / "invariant_linear_emu.cpp"
-    exe = tmp_path / "emu"
-    subprocess.run(
-        [gxx, "-std=c++20", "-O1", "-pthread", "-I", str(gs.GPU_DIR), str(src), "-o", str(exe)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.startswith("OK"), run.stdout + run.stderr
+    kt.run_gpu_body_on_cpu("invariant_linear_emu.cpp", tmp_path)
 
 
 # ------------------------------------------------------------------------------ compile checks

@@ -4,42 +4,7 @@
 // Checks (1) the output against a double-precision softmax attention, (2) bitwise width invariance:
 // row i of a 16-query call equals a 1-query call at the same position with the keys up to it.
 // Prints "OK" and exits 0, else names the failure.
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstring>
-#include <random>
-#include <thread>
-#include <vector>
-typedef unsigned int uint;
-typedef unsigned short ushort;
-typedef unsigned long ulong;
-#define device
-#define threadgroup
-#define thread
-namespace metal {
-enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
-inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
-inline float exp(float x) { return std::exp(x); }
-}  // namespace metal
-using namespace metal;
-static std::barrier<>* g_bar;
-static thread_local uint t_tid;
-static unsigned g_slots[1024];
-inline void threadgroup_barrier(mem_flags) { g_bar->arrive_and_wait(); }
-template <class T> T simd_shuffle_xor(T v, ushort m) {
-  g_bar->arrive_and_wait();
-  g_slots[t_tid] = v;
-  g_bar->arrive_and_wait();
-  T r = g_slots[t_tid ^ m];
-  g_bar->arrive_and_wait();
-  return r;
-}
-template <class T> T simd_shuffle_down(T v, ushort) { return v; }  // unused by this body
-template <class T> T simd_shuffle_up(T v, ushort) { return v; }
-template <class T> T simd_shuffle(T v, ushort) { return v; }
-template <class T, class U> T as_type(U x) { T t; std::memcpy(&t, &x, sizeof(T)); return t; }
-#include "ds_portable.h"
+#include "metal_emu.h"
 #include "invariant_attention.h"
 #undef thread
 #undef device

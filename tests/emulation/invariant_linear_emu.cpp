@@ -4,41 +4,7 @@
 // affine layout here. Checks, for a dense weight and for bits 2, 4, 8 at groups 32, 64, 128:
 // (1) the output against a double-precision product, (2) bitwise width invariance: row i of an
 // M-row call equals the same row alone, for M = 1..17. Prints "OK" and exits 0, else the failure.
-#include <barrier>
-#include <cmath>
-#include <cstdio>
-#include <cstring>
-#include <random>
-#include <thread>
-#include <vector>
-typedef unsigned int uint;
-typedef unsigned short ushort;
-typedef unsigned long ulong;
-#define device
-#define threadgroup
-#define thread
-namespace metal {
-enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
-inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
-}  // namespace metal
-using namespace metal;
-static std::barrier<>* g_bar;
-static thread_local uint t_lane;
-static unsigned g_slots[32];
-inline void threadgroup_barrier(mem_flags) { g_bar->arrive_and_wait(); }
-template <class T> T simd_shuffle_xor(T v, ushort m) {
-  g_bar->arrive_and_wait();
-  g_slots[t_lane] = v;
-  g_bar->arrive_and_wait();
-  T r = g_slots[t_lane ^ m];
-  g_bar->arrive_and_wait();
-  return r;
-}
-template <class T> T simd_shuffle_down(T v, ushort) { return v; }  // unused by this body
-template <class T> T simd_shuffle_up(T v, ushort) { return v; }
-template <class T> T simd_shuffle(T v, ushort) { return v; }
-template <class T, class U> T as_type(U x) { T t; std::memcpy(&t, &x, sizeof(T)); return t; }
-#include "ds_portable.h"
+#include "metal_emu.h"
 #include "invariant_linear.h"
 #undef thread
 #undef device
@@ -91,7 +57,7 @@ static std::vector<float> run(const Weights& w, const float* x, int M, const flo
       std::vector<std::thread> th;
       for (int lane = 0; lane < 32; ++lane)
         th.emplace_back([&, lane] {
-          t_lane = lane;
+          t_tid = lane;
           ds_ctx c;
           c.tid = warp * 32 + lane; c.nthreads = NT; c.bx = bx; c.by = 0;
           if (!w.bits) {
