@@ -131,8 +131,8 @@ def _no_bias(dtype) -> mx.array:
     return z
 
 
-def _launch(lang, kind, inputs, template, M, N, dtype):
-    (out,) = _kernel(lang, kind)(
+def _launch(kern, inputs, template, M: int, N: int, dtype) -> mx.array:
+    (out,) = kern(
         inputs=inputs,
         template=template,
         grid=(-(-N // COLS) * THREADS, 1, 1),
@@ -144,27 +144,13 @@ def _launch(lang, kind, inputs, template, M, N, dtype):
 
 
 def dense_gpu(x2, weight, bias=None, lang: str = "cuda") -> mx.array:
-    M, _ = x2.shape
-    N = weight.shape[0]
-    has_bias = bias is not None
-    b = bias.astype(x2.dtype) if has_bias else _no_bias(x2.dtype)
-    return _launch(lang, "dense", [x2, weight, b], [("T", x2.dtype), ("HAS_BIAS", has_bias)], M, N, x2.dtype)
+    """The GPU instance on x2 [M, K] (tests and benchmarks; layers go through call())."""
+    return _dense_gpu_plan(weight, bias, lang)(x2)
 
 
 def affine_gpu(x2, wq, scales, biases, bits: int, bias=None, lang: str = "cuda") -> mx.array:
-    M, _ = x2.shape
-    N = wq.shape[0]
-    has_bias = bias is not None
-    b = bias.astype(x2.dtype) if has_bias else _no_bias(x2.dtype)
-    return _launch(
-        lang,
-        "affine",
-        [x2, wq, scales.astype(x2.dtype), biases.astype(x2.dtype), b],
-        [("T", x2.dtype), ("BITS", bits), ("HAS_BIAS", has_bias)],
-        M,
-        N,
-        x2.dtype,
-    )
+    """The quantized GPU instance on x2 [M, K] (tests and benchmarks; layers go through call())."""
+    return _affine_gpu_plan(wq, scales, biases, bits, bias, lang)(x2)
 
 
 # ------------------------------------------------------------------------------------ dispatch
@@ -193,43 +179,18 @@ def _linear_path() -> str:
     return "rowwise"
 
 
-def _fits(x: mx.array, K: int) -> bool:
-    return x.dtype in _FLOATS and x.shape[-1] == K and K % VEC == 0 and x.size > 0
-
-
 def dense(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array | None:
     """x [..., K] @ weight[N, K].T (+ bias), invariant in the rows; None where not supported."""
-    K = weight.shape[-1]
-    if weight.ndim != 2 or weight.dtype != x.dtype or not _fits(x, K):
-        return None
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    path = linear_path()
-    if path in ("cuda", "metal"):
-        y = dense_gpu(x2, weight, bias, lang=path)
-    elif path == "native":
-        y = _native.ext(warn=False).invariant_linear(x2, weight, bias)
-    else:
-
-        def one(r):
-            out = r @ weight.T
-            return out + bias if bias is not None else out
-
-        y = rowwise(x2, one)
-    return y.reshape(*lead, weight.shape[0])
+    return _dense_plan(weight, bias, linear_path())(x)
 
 
 def affine(x, wq, scales, biases, group_size: int, bits: int, bias=None) -> mx.array | None:
-    """The quantized twin of dense() (MLX's affine layout); None where not supported."""
-    K = wq.shape[-1] * 32 // bits if bits in BITS else -1
-    if wq.ndim != 2 or bits not in BITS or group_size not in GROUPS or not _fits(x, K):
-        return None
+    """The quantized twin of dense() (MLX's affine layout); None where not supported (on the CPU:
+    MLX's quantized_matmul computes rows one by one already)."""
     path = linear_path()
-    if path not in ("cuda", "metal"):
-        return None  # the CPU quantized_matmul computes rows one by one already
-    lead = x.shape[:-1]
-    y = affine_gpu(x.reshape(-1, K), wq, scales, biases, bits, bias, lang=path)
-    return y.reshape(*lead, wq.shape[0])
+    if path not in ("cuda", "metal") or bits not in BITS or group_size not in GROUPS or wq.ndim != 2:
+        return None
+    return _affine_gpu_plan(wq, scales, biases, bits, bias, path)(x)
 
 
 _plans: dict = {}  # (id(layer), as_linear) -> (weakref to the layer, weight, device, plan or None)
@@ -263,7 +224,7 @@ def _plan(layer, as_linear: bool):
         bits, group = layer.bits, layer.group_size
         path = linear_path()
         if path not in ("cuda", "metal") or bits not in BITS or group not in GROUPS or wq.ndim != 2:
-            return lambda x: affine(x, wq, scales, biases, group, bits, bias)  # declines: MLX's own op
+            return None  # MLX's own op
         return _affine_gpu_plan(wq, scales, biases, bits, bias, path)
     if isinstance(layer, (nn.Linear, nn.Embedding)):
         return _dense_plan(layer["weight"], bias, linear_path())
@@ -312,21 +273,12 @@ def _dense_gpu_plan(weight: mx.array, bias, lang: str):
     kern = _kernel(lang, "dense")
     b = bias.astype(dt) if bias is not None else _no_bias(dt)
     template = [("T", dt), ("HAS_BIAS", bias is not None)]
-    grid, group = (-(-N // COLS) * THREADS, 1, 1), (THREADS, 1, 1)
-    dtypes = [dt]
 
     def plan(x):
         if x.dtype != dt or x.shape[-1] != K or x.size == 0:
             return None
         M = x.size // K
-        (out,) = kern(
-            inputs=[x.reshape(M, K), weight, b],
-            template=template,
-            grid=grid,
-            threadgroup=group,
-            output_shapes=[(M, N)],
-            output_dtypes=dtypes,
-        )
+        out = _launch(kern, [x.reshape(M, K), weight, b], template, M, N, dt)
         return out if x.ndim == 2 else out.reshape(*x.shape[:-1], N)
 
     return plan
@@ -335,28 +287,21 @@ def _dense_gpu_plan(weight: mx.array, bias, lang: str):
 def _affine_gpu_plan(wq, scales, biases, bits: int, bias, lang: str):
     N, K = wq.shape[0], wq.shape[1] * 32 // bits
     kern = _kernel(lang, "affine")
-    cache: dict = {}  # x dtype -> (inputs after x, template)
+    fixed: dict = {}  # x dtype -> (the inputs after x, the template)
 
     def plan(x):
         dt = x.dtype
         if dt not in _FLOATS or x.shape[-1] != K or x.size == 0 or K % VEC:
             return None
-        fixed = cache.get(dt)
-        if fixed is None:
+        got = fixed.get(dt)
+        if got is None:
             b = bias.astype(dt) if bias is not None else _no_bias(dt)
-            fixed = cache[dt] = (
+            got = fixed[dt] = (
                 [wq, scales.astype(dt), biases.astype(dt), b],
                 [("T", dt), ("BITS", bits), ("HAS_BIAS", bias is not None)],
             )
         M = x.size // K
-        (out,) = kern(
-            inputs=[x.reshape(M, K)] + fixed[0],
-            template=fixed[1],
-            grid=(-(-N // COLS) * THREADS, 1, 1),
-            threadgroup=(THREADS, 1, 1),
-            output_shapes=[(M, N)],
-            output_dtypes=[dt],
-        )
+        out = _launch(kern, [x.reshape(M, K)] + got[0], got[1], M, N, dt)
         return out if x.ndim == 2 else out.reshape(*x.shape[:-1], N)
 
     return plan
