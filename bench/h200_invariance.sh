@@ -8,6 +8,8 @@
 #   bash bench/h200_invariance.sh identity              # bench_invariance.py per PRECISIONS
 #   bash bench/h200_invariance.sh contrast              # the native forward (MLX_DSPARK_INVARIANT=off)
 #   bash bench/h200_invariance.sh cost                  # bench_invariance_cost.py per PRECISIONS
+#   bash bench/h200_invariance.sh profile               # host time per decode step (profile_invariant_host.py)
+#   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #
 # The carry set 'inv' (.device-carry/inv/cNN, CHUNK_MB=35, staged with shared/tools/device-carry/pack.sh):
 #   wheels/   mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0
@@ -64,6 +66,12 @@ for step in "$@"; do
       python3 bench/bench_invariance_cost.py --precision "$p" --tokens "$TOKENS" --out "$OUT/cost.md" > /dev/null
       tail -25 "$OUT/cost.md"; el
     done ;;
+  profile)
+    for p in ${PRECISIONS%% *}; do
+      python3 bench/profile_invariant_host.py --precision "$p" --out "$OUT/profile.md" > /dev/null; cat "$OUT/profile.md"; el
+    done ;;
+  replay)
+    python3 bench/bench_hybrid_replay.py --out "$OUT/hybrid-replay.md" 2>&1 | tail -30; el ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
 done
