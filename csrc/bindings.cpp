@@ -35,7 +35,10 @@ NB_MODULE(_ext, m) {
         "Speculative-sampling accept: (accepted [B], bonus [B]) int32; see "
         "mlx_dspark.kernels.sampling_accept.");
   m.def("invariant_linear", &dspark::invariant_linear, "x"_a, "weight"_a, "bias"_a.none(), nb::kw_only(),
-        "stream"_a = nb::none(),
+        "kernel"_a = "tiled", "stream"_a = nb::none(),
         "Width-invariant x @ weight.T (+ bias) on the CPU: row m of an M-row call equals the row alone, "
-        "bitwise; see mlx_dspark.kernels.invariant_linear.");
+        "bitwise; kernel 'tiled' (register tiles, the default) or 'rows' (the first kernel, one x row "
+        "at a time: a benchmark baseline); see mlx_dspark.kernels.invariant_linear.");
+  m.def("invariant_linear_isa", &dspark::invariant_linear_isa,
+        "The instruction set of the CPU invariant linear's tiles in this process: 'avx2' or 'portable'.");
 }

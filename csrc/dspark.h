@@ -3,6 +3,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "mlx/ops.h"
@@ -55,21 +56,30 @@ class SamplingAccept : public mx::Primitive {
 
 // Width-invariant dense linear on the CPU: x [M, K], weight [N, K], bias [N] or none, all one float
 // dtype -> [M, N]; row m of an M-row call is bit-identical to the row alone (invariant_linear.cpp).
+// kernel: "tiled" (register tiles, the default) or "rows" (the first kernel, a benchmark baseline).
 mx::array invariant_linear(const mx::array& x, const mx::array& weight, const std::optional<mx::array>& bias,
-                           mx::StreamOrDevice s = {});
+                           const std::string& kernel = "tiled", mx::StreamOrDevice s = {});
+
+constexpr int kKernelTiled = 0, kKernelRows = 1;
+
+// The instruction set the tiled kernel picked for this process: "avx2" or "portable".
+const char* invariant_linear_isa();
 
 class InvariantLinear : public mx::Primitive {
  public:
-  InvariantLinear(mx::Stream stream, bool has_bias) : mx::Primitive(stream), has_bias_(has_bias) {}
+  InvariantLinear(mx::Stream stream, bool has_bias, int kernel)
+      : mx::Primitive(stream), has_bias_(has_bias), kernel_(kernel) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "DsparkInvariantLinear"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return has_bias_ == static_cast<const InvariantLinear&>(other).has_bias_;
+    const auto& o = static_cast<const InvariantLinear&>(other);
+    return has_bias_ == o.has_bias_ && kernel_ == o.kernel_;
   }
 
  private:
   bool has_bias_;
+  int kernel_;
 };
 
 // Row argmax in mx.argmax order (NaN first, then the larger value, then the smaller index).

@@ -1,13 +1,17 @@
 // Width-invariant dense linear, y = x W^T (+ bias): the op and its CPU evaluation.
 // Semantics: python/mlx_dspark/kernels/invariant_linear.py::invariant_linear_reference.
 //
-// Every output y[m, n] is one call of the same fixed-order dot product of x row m with weight
-// row n (16 float lanes over k in steps of 16, in order; the lanes added by a fixed tree; then the
-// k tail in order; then the bias), so row m of an M-row call is bit-identical to the row alone.
-// What is blocked is the weight: four weight rows per pass, each read from memory once for all M
-// rows (small-M products are memory-bound), the passes split over a few threads. The row count
-// never changes which code computes a row. On x86-64 the dot product is AVX2 + FMA where the CPU
-// has both (chosen once per process), the portable loop otherwise.
+// Every output y[m, n] is one fixed-order dot product of x row m with weight row n, then the
+// bias, so row m of an M-row call is bit-identical to the row alone. Two kernels:
+//   tiled (the default)  register tiles of a few x rows against a few weight rows
+//                        (invariant_linear_tiles.h: 8 float lanes over k, a fixed lane tree): each
+//                        weight vector is loaded once per tile and used by every row of it, so
+//                        the cost grows with M at the FMA rate rather than the load rate.
+//   rows                 the first kernel, kept as the microbenchmark's baseline: four weight
+//                        rows per pass, each x row alone against them (16 lanes, another tree).
+// Both read each weight row from memory once for all M rows (in passes split over a few
+// threads) and neither lets M change the operations of an output element. On x86-64 the dot
+// products are AVX2 + FMA where the CPU has both (chosen once per process), portable otherwise.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -20,12 +24,8 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define DSPARK_X86 1
-#endif
-
 #include "dspark.h"
+#include "invariant_linear_tiles.h"
 #include "mlx/backend/cpu/encoder.h"
 
 namespace dspark {
@@ -154,38 +154,86 @@ void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// x as float once (a no-op view for float32).
 template <typename T>
-void linear_cpu(const T* x, const T* w, const T* bias, T* y, int M, int N, int K) {
-  static const Dot4 dot4 = pick_dot4();
-  // x as float once (a no-op view for float32)
-  std::vector<float> xbuf;
-  const float* xf;
+const float* x_as_float(const T* x, int64_t n, std::vector<float>& buf) {
   if constexpr (std::is_same_v<T, float>) {
-    xf = x;
+    return x;
   } else {
-    xbuf.resize(static_cast<size_t>(M) * K);
-    to_float(x, xbuf.data(), static_cast<int64_t>(M) * K);
-    xf = xbuf.data();
+    buf.resize(static_cast<size_t>(n));
+    to_float(x, buf.data(), n);
+    return buf.data();
   }
-  const int passes = (N + kRows - 1) / kRows;
+}
+
+// The weight rows n0 .. n0 + rows - 1 as float pointers (past N: the last row again, never
+// stored); other dtypes are converted into buf (rows x K).
+template <typename T>
+void weight_rows(const T* w, int n0, int rows, int N, int K, std::vector<float>& buf, const float** out) {
+  for (int r = 0; r < rows; ++r) {
+    const int n = std::min(n0 + r, N - 1);
+    if constexpr (std::is_same_v<T, float>) {
+      out[r] = w + static_cast<int64_t>(n) * K;
+    } else {
+      to_float(w + static_cast<int64_t>(n) * K, buf.data() + static_cast<size_t>(r) * K, K);
+      out[r] = buf.data() + static_cast<size_t>(r) * K;
+    }
+  }
+}
+
+// Runs fn(p) for the passes p = 0 .. passes - 1, split into contiguous runs over the pool.
+template <typename Fn>
+void over_passes(int passes, const Fn& fn) {
   Pool& pool = Pool::get();
   const int tasks = std::min(passes, pool.size() * 8);
   pool.run(tasks, [&](int t) {
     const int p0 = static_cast<int>(static_cast<int64_t>(passes) * t / tasks);
     const int p1 = static_cast<int>(static_cast<int64_t>(passes) * (t + 1) / tasks);
+    fn(p0, p1);
+  });
+}
+
+template <typename T>
+void linear_tiled(const T* x, const T* w, const T* bias, T* y, int M, int N, int K) {
+  const il::Tiles& tiles = il::tiles();
+  const int R = tiles.rows, C = tiles.cols;
+  std::vector<float> xbuf;
+  const float* xf = x_as_float(x, static_cast<int64_t>(M) * K, xbuf);
+  over_passes((N + C - 1) / C, [&](int p0, int p1) {
     std::vector<float> wbuf;
-    if constexpr (!std::is_same_v<T, float>) wbuf.resize(static_cast<size_t>(kRows) * K);
+    if constexpr (!std::is_same_v<T, float>) wbuf.resize(static_cast<size_t>(C) * K);
+    const float* rows[il::kMaxCols];
+    float out[il::kMaxRows * il::kMaxCols];
     for (int p = p0; p < p1; ++p) {
-      const float* rows[kRows];
-      for (int r = 0; r < kRows; ++r) {
-        const int n = std::min(p * kRows + r, N - 1);  // past N: a repeat of the last row, not stored
-        if constexpr (std::is_same_v<T, float>) {
-          rows[r] = w + static_cast<int64_t>(n) * K;
-        } else {
-          to_float(w + static_cast<int64_t>(n) * K, wbuf.data() + static_cast<size_t>(r) * K, K);
-          rows[r] = wbuf.data() + static_cast<size_t>(r) * K;
+      const int n0 = p * C, cols = std::min(C, N - n0);
+      weight_rows(w, n0, C, N, K, wbuf, rows);
+      for (int m0 = 0; m0 < M; m0 += R) {
+        const int r = std::min(R, M - m0);
+        (r == R ? tiles.full : tiles.row_tail[r - 1])(xf + static_cast<int64_t>(m0) * K, K, rows, K, out);
+        for (int i = 0; i < r; ++i) {
+          T* yrow = y + static_cast<int64_t>(m0 + i) * N + n0;
+          for (int c = 0; c < cols; ++c) {
+            float v = out[i * C + c];
+            if (bias) v += static_cast<float>(bias[n0 + c]);
+            yrow[c] = static_cast<T>(v);
+          }
         }
       }
+    }
+  });
+}
+
+template <typename T>
+void linear_rows(const T* x, const T* w, const T* bias, T* y, int M, int N, int K) {
+  static const Dot4 dot4 = pick_dot4();
+  std::vector<float> xbuf;
+  const float* xf = x_as_float(x, static_cast<int64_t>(M) * K, xbuf);
+  over_passes((N + kRows - 1) / kRows, [&](int p0, int p1) {
+    std::vector<float> wbuf;
+    if constexpr (!std::is_same_v<T, float>) wbuf.resize(static_cast<size_t>(kRows) * K);
+    const float* rows[kRows];
+    for (int p = p0; p < p1; ++p) {
+      weight_rows(w, p * kRows, kRows, N, K, wbuf, rows);
       for (int m = 0; m < M; ++m) {
         float out[kRows];
         dot4(xf + static_cast<int64_t>(m) * K, rows, K, out);
@@ -200,11 +248,20 @@ void linear_cpu(const T* x, const T* w, const T* bias, T* y, int M, int N, int K
   });
 }
 
+template <typename T>
+void linear_cpu(int kernel, const void* x, const void* w, const void* bias, void* y, int M, int N, int K) {
+  auto f = kernel == kKernelRows ? linear_rows<T> : linear_tiled<T>;
+  f(static_cast<const T*>(x), static_cast<const T*>(w), static_cast<const T*>(bias), static_cast<T*>(y), M, N, K);
+}
+
 }  // namespace
 
+const char* invariant_linear_isa() { return il::tiles().name; }
+
 mx::array invariant_linear(const mx::array& x, const mx::array& weight, const std::optional<mx::array>& bias,
-                           mx::StreamOrDevice s) {
+                           const std::string& kernel, mx::StreamOrDevice s) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("[dspark.invariant_linear] " + what); };
+  if (kernel != "tiled" && kernel != "rows") fail("kernel must be 'tiled' or 'rows', not '" + kernel + "'");
   if (x.ndim() != 2 || weight.ndim() != 2) fail("x must be [M, K] and weight [N, K]");
   const int M = x.shape(0), K = x.shape(1), N = weight.shape(0);
   if (weight.shape(1) != K) {
@@ -220,7 +277,7 @@ mx::array invariant_linear(const mx::array& x, const mx::array& weight, const st
   if (st.device != mx::Device::cpu) fail("runs on the CPU (GPUs use kernels/invariant_linear.py's GPU instance)");
   std::vector<mx::array> inputs = {mx::contiguous(x, false, st), mx::contiguous(weight, false, st)};
   if (bias) inputs.push_back(mx::contiguous(mx::astype(*bias, dt, st), false, st));
-  return mx::array({M, N}, dt, std::make_shared<InvariantLinear>(st, bias.has_value()), inputs);
+  return mx::array({M, N}, dt, std::make_shared<InvariantLinear>(st, bias.has_value(), kernel == "rows" ? kKernelRows : kKernelTiled), inputs);
 }
 
 void InvariantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -233,18 +290,14 @@ void InvariantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   enc.set_output_array(y);
   const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
   const void* b = has_bias_ ? inputs[2].data<void>() : nullptr;
-  enc.dispatch([xp = x.data<void>(), wp = w.data<void>(), b, yp = y.data<void>(), dt = x.dtype(), M, N, K]() {
+  enc.dispatch([xp = x.data<void>(), wp = w.data<void>(), b, yp = y.data<void>(), dt = x.dtype(), M, N, K,
+                kernel = kernel_]() {
     if (dt == mx::float32) {
-      linear_cpu(static_cast<const float*>(xp), static_cast<const float*>(wp), static_cast<const float*>(b),
-                 static_cast<float*>(yp), M, N, K);
+      linear_cpu<float>(kernel, xp, wp, b, yp, M, N, K);
     } else if (dt == mx::float16) {
-      using H = mx::float16_t;
-      linear_cpu(static_cast<const H*>(xp), static_cast<const H*>(wp), static_cast<const H*>(b), static_cast<H*>(yp),
-                 M, N, K);
+      linear_cpu<mx::float16_t>(kernel, xp, wp, b, yp, M, N, K);
     } else {
-      using H = mx::bfloat16_t;
-      linear_cpu(static_cast<const H*>(xp), static_cast<const H*>(wp), static_cast<const H*>(b), static_cast<H*>(yp),
-                 M, N, K);
+      linear_cpu<mx::bfloat16_t>(kernel, xp, wp, b, yp, M, N, K);
     }
   });
 }

@@ -1,6 +1,6 @@
 """The width-invariant linear op (kernels/invariant_linear.py): the pure-MLX reference against MLX's
 own products, bitwise invariance of every path in the number of rows (row i of an M-row call ==
-the same row alone, M = 1..17), the GPU body run on CPU threads, compile checks of its Metal and
+the same row alone, M = 1..17; the CPU kernels also up to 34 rows on odd shapes), the GPU body run on CPU threads, compile checks of its Metal and
 CUDA instances (Linux, libclang), and (on the device, `pytest -m gpu`) the CUDA instance."""
 
 from __future__ import annotations
@@ -99,6 +99,58 @@ def test_native_cpu_matches_the_reference_and_is_invariant(dtype, with_bias):
         assert got.dtype == dtype and got.shape == (MAX_M + 2, N)
         assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
         assert_rows_invariant(lambda r: ext.invariant_linear(r, w, b), x, f"native {dtype}")
+
+
+# odd shapes: K below one 8-lane step, K with a 1..7 tail, N of 1 and N not a multiple of the
+# tile's weight rows; widths past one row tile and past MAX_M (33 = 11 tiles of 3, 32 and 34: the
+# 2- and 1-row remainder tiles after full ones)
+ODD_SHAPES = [(5, 3), (13, 1), (571, 37), (576, 50), (1543, 9)]
+WIDE = (1, 2, 3, 4, 5, 7, 8, 16, 17, 32, 33, 34)
+
+
+@needs_native
+@pytest.mark.parametrize("kernel", ["tiled", "rows"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("KN", ODD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_native_cpu_kernels_on_odd_shapes_and_wide_calls(kernel, dtype, with_bias, KN):
+    """Both CPU kernels: every row of an M-row call (M up to 34, at offsets 0 and the last)
+    equals the row alone bitwise, and the product is the float64 one within float tolerance."""
+    import numpy as np
+
+    ext = native.ext(warn=False)
+    K, N = KN
+    i = 100 + 10 * ODD_SHAPES.index(KN)
+    w = rand((N, K), dtype, i, 0.05)
+    b = rand((N,), dtype, i + 1) if with_bias else None
+    x = rand((max(WIDE) + 3, K), dtype, i + 2)
+    with mx.stream(mx.cpu):
+        fn = lambda r: ext.invariant_linear(r, w, b, kernel=kernel)  # noqa: E731
+        ones = [fn(x[m : m + 1]) for m in range(x.shape[0])]
+        mx.eval(ones)
+        for M in WIDE:
+            for at in sorted({0, x.shape[0] - M}):
+                rows = fn(x[at : at + M])
+                mx.eval(rows)
+                for r in range(M):
+                    assert mx.array_equal(rows[r], ones[at + r][0]).item(), (
+                        f"{kernel} {dtype} {KN}: row {r} of a {M}-row call at {at} (seed {SEED})"
+                    )
+        f64 = lambda a: np.array(a.astype(mx.float32)).astype(np.float64)  # noqa: E731
+        want = f64(x) @ f64(w).T + (f64(b) if with_bias else 0.0)
+        got = f64(fn(x))
+        tol = 1e-5 if dtype == mx.float32 else 1e-2
+        assert np.allclose(got, want, atol=tol * max(1.0, np.abs(want).max()), rtol=tol), (
+            f"{kernel} {dtype} {KN}: max error {np.abs(got - want).max():.3g} (seed {SEED})"
+        )
+
+
+@needs_native
+def test_native_cpu_kernel_choice():
+    ext = native.ext(warn=False)
+    assert ext.invariant_linear_isa() in ("avx2", "portable")
+    with pytest.raises(ValueError, match="kernel must be"):
+        ext.invariant_linear(mx.zeros((2, 8)), mx.zeros((4, 8)), None, kernel="fast")
 
 
 @needs_native
