@@ -2,12 +2,20 @@
 product (x @ W.T, or mx.quantized_matmul) at decode and verify widths.
 
   python bench/bench_invariant_linear.py [--reps 50] [--quick] [--out FILE.md]
+  python bench/bench_invariant_linear.py --cpu-kernels [--reps 15] [--out FILE.md]
 
 Shapes: the demo SmolLM2-135M projections and lm_head, and Qwen3-4B-like ones; dense in the
 default float dtype (bf16 on a GPU, float32 on the CPU) and MLX affine 4- and 8-bit at group 64
 (GPU only: on the CPU the quantized product is MLX's own, already row-invariant). Prints, per
 shape and width M, both times and ours / MLX (below 1: ours is faster), and ours at M against
 MLX at M = 1 (what a verify row costs over a plain step). Ratios from one run.
+
+--cpu-kernels (float32, on the CPU): the C++ primitive's two kernels, `rows` (the first one: one x
+row at a time against four weight rows) and `tiled` (register tiles, the default), against MLX's
+own x @ W.T, on the demo model's shapes at M = 1, 2, 4, 8, 16, 17, 32. The three sides are
+interleaved call by call and each figure is the median of --reps calls (the machine is shared).
+Each call reads its weight from one of several copies totalling over 64 MB, in turn, so that it
+comes from memory as in a forward (the whole model does not fit the cache) and not from L3.
 """
 
 from __future__ import annotations
@@ -26,6 +34,73 @@ SHAPES = [  # (label, K, N)
     ("4B down 9728x2560", 9728, 2560),
 ]
 WIDTHS = (1, 2, 4, 8, 16)
+CPU_SHAPES = [  # (label, K, N): SmolLM2-135M
+    ("q/o 576x576", 576, 576),
+    ("k/v 576x192", 576, 192),
+    ("gate/up 576x1536", 576, 1536),
+    ("down 1536x576", 1536, 576),
+    ("lm_head 576x49152", 576, 49152),
+]
+CPU_WIDTHS = (1, 2, 4, 8, 16, 17, 32)
+ROTATE_BYTES = 64 << 20
+
+
+def cpu_kernels(reps: int) -> list[str]:
+    """The CPU table (see the module docstring): per shape and M, median ms of rows / tiled /
+    MLX, tiled over rows, tiled over MLX, and tiled(M) over tiled(1)."""
+    import os
+    import statistics
+
+    import mlx.core as mx
+
+    from mlx_dspark import benchmark as bm
+    from mlx_dspark.kernels import native
+
+    ext = native.ext(warn=True)
+    mx.set_default_device(mx.cpu)
+    sides = {
+        "rows": lambda x, w: ext.invariant_linear(x, w, None, kernel="rows"),
+        "tiled": lambda x, w: ext.invariant_linear(x, w, None),
+        "mlx": lambda x, w: x @ w.T,
+    }
+    blas = os.environ.get("LD_PRELOAD", "") or "MLX's bundled BLAS"
+    lines = [
+        f"## CPU invariant linear kernels vs MLX, {bm.device_stamp()}, tiles {ext.invariant_linear_isa()}, float32",
+        f"`bench/bench_invariant_linear.py --cpu-kernels --reps {reps}` at {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"BLAS {blas}, load average {' '.join(f'{v:.2f}' for v in os.getloadavg())} at the start; "
+        f"median ms of {reps} calls, the three sides interleaved, weights from memory (rotated copies)",
+        "",
+        "    shape               M  rows ms  tiled ms   MLX ms  tiled/rows  tiled/MLX  tiled(M)/tiled(1)"
+        "  rows(M)/rows(1)",
+    ]
+    for label, K, N in CPU_SHAPES:
+        copies = max(1, -(-ROTATE_BYTES // (N * K * 4)))
+        ws = [mx.random.normal((N, K), key=mx.random.key(K * 7 + N + i)) * 0.05 for i in range(copies)]
+        xs = mx.random.normal((max(CPU_WIDTHS), K), key=mx.random.key(1))
+        mx.eval(ws, xs)
+        first = {}
+        for M in CPU_WIDTHS:
+            x = xs[:M]
+            times = {k: [] for k in sides}
+            for k, fn in sides.items():  # warm
+                mx.eval(fn(x, ws[0]))
+            for i in range(reps):
+                for k, fn in sides.items():
+                    w = ws[(i * len(sides) + list(sides).index(k)) % copies]
+                    t0 = time.perf_counter()
+                    mx.eval(fn(x, w))
+                    times[k].append((time.perf_counter() - t0) * 1e3)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            first = med if M == 1 else first
+            lines.append(
+                f"    {label:18s} {M:3d} {med['rows']:8.3f} {med['tiled']:9.3f} {med['mlx']:8.3f} "
+                f"{med['tiled'] / med['rows']:11.3f} {med['tiled'] / med['mlx']:10.3f} "
+                f"{med['tiled'] / first['tiled']:18.2f} {med['rows'] / first['rows']:16.2f}"
+            )
+            print(lines[-1], flush=True)
+        del ws
+    lines.append("")
+    return lines
 
 
 def main() -> int:
@@ -33,7 +108,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="the 135M shapes only, widths 1 and 8")
     ap.add_argument("--out")
+    ap.add_argument("--cpu-kernels", action="store_true", help="the CPU primitive's kernels (module docstring)")
     args = ap.parse_args()
+    if args.cpu_kernels:
+        from mlx_dspark import benchmark as bm
+
+        bm.emit("\n".join(cpu_kernels(args.reps)), args.out)
+        return 0
 
     import mlx.core as mx
     import mlx.nn as nn

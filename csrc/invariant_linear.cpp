@@ -193,6 +193,14 @@ void over_passes(int passes, const Fn& fn) {
   });
 }
 
+constexpr int kPrefetchPasses = 4;
+
+inline void prefetch_l2(const char* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
 template <typename T>
 void linear_tiled(const T* x, const T* w, const T* bias, T* y, int M, int N, int K) {
   const il::Tiles& tiles = il::tiles();
@@ -207,7 +215,14 @@ void linear_tiled(const T* x, const T* w, const T* bias, T* y, int M, int N, int
     for (int p = p0; p < p1; ++p) {
       const int n0 = p * C, cols = std::min(C, N - n0);
       weight_rows(w, n0, C, N, K, wbuf, rows);
-      for (int m0 = 0; m0 < M; m0 += R) {
+      // The weight rows kPrefetchPasses passes ahead towards L2, spread over this pass's tiles
+      // (issued at once they overrun the miss buffers and the memory does not overlap the FMAs).
+      const int ahead_n = std::min(N, n0 + kPrefetchPasses * C), ahead_rows = std::min(C, N - ahead_n);
+      const char* ahead = reinterpret_cast<const char*>(w + static_cast<int64_t>(ahead_n) * K);
+      const int64_t lines = static_cast<int64_t>(ahead_rows) * K * static_cast<int64_t>(sizeof(T)) / 64;
+      const int tile_count = (M + R - 1) / R;
+      for (int m0 = 0, t = 0; m0 < M; m0 += R, ++t) {
+        for (int64_t l = lines * t / tile_count; l < lines * (t + 1) / tile_count; ++l) prefetch_l2(ahead + l * 64);
         const int r = std::min(R, M - m0);
         (r == R ? tiles.full : tiles.row_tail[r - 1])(xf + static_cast<int64_t>(m0) * K, K, rows, K, out);
         for (int i = 0; i < r; ++i) {
