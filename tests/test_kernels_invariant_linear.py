@@ -191,10 +191,10 @@ def _metal_src(kind, dt, has_bias, bits=4):
     inst = il.instance("metal", kind)
     if kind == "dense":
         ins = [(dt, 2, 10**4), (dt, 2, 10**5), (dt, 1, 1 if not has_bias else 64)]
-        tmpl = [("T", dt), ("HAS_BIAS", has_bias)]
+        tmpl = [("T", dt), ("HB", int(has_bias))]
     else:
         ins = [(dt, 2, 10**4), ("uint32", 2, 10**5), (dt, 2, 10**3), (dt, 2, 10**3), (dt, 1, 64 if has_bias else 1)]
-        tmpl = [("T", dt), ("BITS", bits), ("HAS_BIAS", has_bias)]
+        tmpl = [("T", dt), ("BITS", bits), ("HB", int(has_bias))]
     return kt.metal_kernel_text(inst, ins, [dt], tmpl)
 
 
@@ -211,7 +211,7 @@ def test_metal_instances_parse(dt, has_bias):
 def test_cuda_instances_parse(dt):
     parse, _, cuda_stub = _parse_tools()
     src = kt.cuda_kernel_text(
-        il.instance("cuda", "dense"), [(dt, 2), (dt, 2), (dt, 1)], [dt], [("T", dt), ("HAS_BIAS", True)]
+        il.instance("cuda", "dense"), [(dt, 2), (dt, 2), (dt, 1)], [dt], [("T", dt), ("HB", 1)]
     )
     assert parse(src, cuda_stub, f"il_cuda_{dt}") == []
     for bits in il.BITS:
@@ -219,7 +219,7 @@ def test_cuda_instances_parse(dt):
             il.instance("cuda", "affine"),
             [(dt, 2), ("uint32", 2), (dt, 2), (dt, 2), (dt, 1)],
             [dt],
-            [("T", dt), ("BITS", bits), ("HAS_BIAS", False)],
+            [("T", dt), ("BITS", bits), ("HB", 0)],
         )
         assert parse(src, cuda_stub, f"ilq{bits}_cuda_{dt}") == []
 
@@ -227,16 +227,16 @@ def test_cuda_instances_parse(dt):
 def test_a_broken_body_fails_both_compile_checks():
     parse, metal_stub, cuda_stub = _parse_tools()
     good = il.instance("metal", "dense")
-    body = good.header.replace("ds_il_warp_sum(ds_il_dense_dot(x,", "ds_il_warp_sum(ds_il_dense_dot(")
+    body = good.header.replace("ds_il_accumulate(x, xo, k, wv, acc);", "ds_il_accumulate(xo, k, wv, acc);")
     assert body != good.header
     bad = gs.Instance(good.name, good.input_names, good.output_names, good.source, body)
     src = kt.metal_kernel_text(
-        bad, [("float32", 2, 10**4)] * 2 + [("float32", 1, 1)], ["float32"], [("T", "float32"), ("HAS_BIAS", False)]
+        bad, [("float32", 2, 10**4)] * 2 + [("float32", 1, 1)], ["float32"], [("T", "float32"), ("HB", 0)]
     )
     assert parse(src, metal_stub, "il_broken_metal")
     cg = il.instance("cuda", "dense")
     c = gs.Instance(cg.name, cg.input_names, cg.output_names, cg.source, body)
-    src = kt.cuda_kernel_text(c, [("float32", 2)] * 3, ["float32"], [("T", "float32"), ("HAS_BIAS", False)])
+    src = kt.cuda_kernel_text(c, [("float32", 2)] * 3, ["float32"], [("T", "float32"), ("HB", 0)])
     assert parse(src, cuda_stub, "il_broken_cuda")
 
 
@@ -288,21 +288,24 @@ def test_gpu_plans_launch_what_the_instances_take(monkeypatch):
     kernel itself is tested on the device above and on CPU threads)."""
     calls = []
 
-    def fake(lang, kind):
+    def fake(lang, kind, group=1):
         def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             t = dict(template)
             x = inputs[0]
-            M, N = output_shapes[0]
-            assert x.ndim == 2 and x.shape[0] == M and threadgroup == (il.THREADS, 1, 1)
+            *lead, N = output_shapes[0]
+            M = 1
+            for d in lead:
+                M *= d
+            assert tuple(x.shape[:-1]) == tuple(lead) and threadgroup == (il.THREADS, 1, 1)
             assert grid == (-(-N // il.COLS) * il.THREADS, 1, 1) and t["T"] == x.dtype == output_dtypes[0]
             if kind == "dense":
                 w, b = inputs[1], inputs[2]
-                y = il.invariant_linear_reference(x, w, bias=b if t["HAS_BIAS"] else None)
+                y = il.invariant_linear_reference(x, w, bias=b if t["HB"] & 1 else None)
             else:
                 wq, s, bb, b = inputs[1:]
-                group = x.shape[1] // s.shape[1]
+                group = x.shape[-1] // s.shape[1]
                 y = il.invariant_linear_reference(
-                    x, wq, s, bb, bias=b if t["HAS_BIAS"] else None, group_size=group, bits=t["BITS"]
+                    x, wq, s, bb, bias=b if t["HB"] & 1 else None, group_size=group, bits=t["BITS"]
                 )
             calls.append((kind, M, t.get("BITS")))
             return (y,)
@@ -322,7 +325,7 @@ def test_gpu_plans_launch_what_the_instances_take(monkeypatch):
             q = nn.QuantizedLinear(64, 16, bits=bits, group_size=32)
             assert mx.allclose(il.call(q, x), q(x), atol=1e-4).item()
         assert [c[0] for c in calls] == ["dense", "dense"] + ["affine"] * len(il.BITS)
-        assert all(c[1] == 6 for c in calls)  # [2, 3, K] runs as one 6-row launch
+        assert all(c[1] == 6 for c in calls)  # [2, 3, K] runs as one 6-row launch, no reshape
         assert il.call(nn.QuantizedLinear(64, 16, bits=3, group_size=32), x) is None
         assert il.call(lin, x.astype(mx.float16)) is None  # a dtype the weight does not have: MLX's op
     finally:

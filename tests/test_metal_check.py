@@ -59,6 +59,7 @@ template <class T> T min(T, T);
 template <class T> T max(T, T);
 template <class T> T floor(T);
 template <class T> T exp(T);
+float fma(float, float, float);
 }
 using namespace metal;
 """
@@ -90,6 +91,7 @@ float __half2float(__half);
 float __bfloat162float(__nv_bfloat16);
 __half __float2half(float);
 __nv_bfloat16 __float2bfloat16(float);
+float __fmaf_rn(float, float, float);
 namespace cooperative_groups {}
 namespace mlx { namespace core { namespace cu {
 template <class T, int N> struct small_array { T v[N]; T operator[](int i) const; };

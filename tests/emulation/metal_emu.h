@@ -23,6 +23,7 @@ namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 inline float exp(float x) { return std::exp(x); }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
 }  // namespace metal
 using namespace metal;
 static std::barrier<>* g_bar;

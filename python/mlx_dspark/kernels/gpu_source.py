@@ -31,6 +31,16 @@ def body_text() -> str:
     return "".join((GPU_DIR / f).read_text() + "\n" for f in BODY_FILES)
 
 
+def compact(text: str) -> str:
+    """Kernel text without comments and blank lines. MLX copies an instance's header into the
+    kernel text of every launch (host time on the decode path, once per linear layer); the
+    compiler never needs the comments. The bodies have no string literals, so // starts a comment."""
+    import re
+
+    text = re.sub(r"[ \t]*//[^\n]*", "", text)
+    return "\n".join(ln for ln in text.splitlines() if ln.strip()) + "\n"
+
+
 @dataclass(frozen=True)
 class Instance:
     """One kernel of one language, as `mx.fast.{metal,cuda}_kernel` takes it."""

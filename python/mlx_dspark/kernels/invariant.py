@@ -28,7 +28,7 @@ import threading
 
 import mlx.core as mx
 
-from .gpu_source import GPU_DIR, Instance
+from .gpu_source import GPU_DIR, Instance, compact
 
 CHUNK = 128  # DS_IA_THREADS: keys per chunk = threads per threadgroup
 MAX_D = 256  # DS_IA_MAX_D
@@ -145,7 +145,7 @@ INPUTS, OUTPUTS = ("q", "k", "v", "scale"), ("out",)
 
 @functools.lru_cache(maxsize=None)
 def _body() -> str:
-    return "".join((GPU_DIR / f).read_text() + "\n" for f in ("ds_portable.h", "invariant_attention.h"))
+    return compact("".join((GPU_DIR / f).read_text() + "\n" for f in ("ds_portable.h", "invariant_attention.h")))
 
 
 def cuda_instance() -> Instance:

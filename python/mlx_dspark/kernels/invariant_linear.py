@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import native as _native
-from .gpu_source import GPU_DIR, Instance
+from .gpu_source import GPU_DIR, Instance, compact
 
 THREADS = 128  # DS_IL_THREADS
 VEC = 8  # DS_IL_VEC: K must be a multiple of it
@@ -86,31 +86,49 @@ _METAL_CTX = """  ds_ctx c;
   c.bx = threadgroup_position_in_grid.x;
   c.by = threadgroup_position_in_grid.y;
 """
-_DENSE = "  ds_il_dense<T, HAS_BIAS>(c, x, w, bias, out, x_shape[0], w_shape[0], x_shape[1]);\n"
-_AFFINE = (
-    "  ds_il_affine<T, BITS, HAS_BIAS>(c, x, wq, scales, biases, bias, out, x_shape[0], wq_shape[0], x_shape[1],\n"
-    "                                  x_shape[1] / scales_shape[1]);\n"
-)
-DENSE_INPUTS = ("x", "w", "bias")
-AFFINE_INPUTS = ("x", "wq", "scales", "biases", "bias")
+
+def _names(G: int, fmt: str) -> tuple[str, ...]:
+    return tuple(fmt.format(g) for g in range(G))
+
+
+def _inputs(kind: str, G: int) -> tuple[str, ...]:
+    if kind == "dense":
+        return ("x",) + _names(G, "w{}") + _names(G, "b{}")
+    return ("x",) + tuple(n for g in range(G) for n in (f"q{g}", f"s{g}", f"z{g}")) + _names(G, "b{}")
+
+
+def _call_source(kind: str, G: int) -> str:
+    def pick(fmt, g):  # weight g, or weight 0 again where the body takes fewer than 3
+        return fmt.format(g if g < G else 0)
+
+    n = ", ".join(f"{pick('w{}', g)}_shape[0]" if g < G else "0" for g in range(1, 3))
+    b = ", ".join(pick("b{}", g) for g in range(3))
+    o = ", ".join(pick("o{}", g) for g in range(3))
+    # x [..., K] as it comes (no reshape ops on the decode path): M = the product of the rest
+    rows = "  int M = 1;\n  for (int i = 0; i + 1 < (int)x_ndim; ++i) M *= x_shape[i];\n  const int K = x_shape[x_ndim - 1];\n"
+    if kind == "dense":
+        w = ", ".join(pick("w{}", g) for g in range(3))
+        return rows + f"  ds_il_dense<T, {G}, HB>(c, x, {w}, {b}, {o}, M, w0_shape[0], {n}, K);\n"
+    q = ", ".join(f"{pick('q{}', g)}, {pick('s{}', g)}, {pick('z{}', g)}" for g in range(3))
+    n = ", ".join(f"{pick('q{}', g)}_shape[0]" if g < G else "0" for g in range(1, 3))
+    return rows + f"  ds_il_affine<T, BITS, {G}, HB>(c, x, {q}, {b}, {o}, M, q0_shape[0], {n}, K, K / s0_shape[1]);\n"
 
 
 @functools.lru_cache(maxsize=None)
 def _body() -> str:
-    return "".join((GPU_DIR / f).read_text() + "\n" for f in ("ds_portable.h", "invariant_linear.h"))
+    return compact("".join((GPU_DIR / f).read_text() + "\n" for f in ("ds_portable.h", "invariant_linear.h")))
 
 
-def instance(lang: str, kind: str) -> Instance:
-    """The `lang` (cuda | metal) instance of the dense or affine kernel."""
+def instance(lang: str, kind: str, group: int = 1) -> Instance:
+    """The `lang` (cuda | metal) instance of the dense or affine kernel over `group` weights."""
     ctx = _CUDA_CTX if lang == "cuda" else _METAL_CTX
-    if kind == "dense":
-        return Instance("ds_invariant_linear", DENSE_INPUTS, ("out",), ctx + _DENSE, _body())
-    return Instance("ds_invariant_qlinear", AFFINE_INPUTS, ("out",), ctx + _AFFINE, _body())
+    name = ("ds_invariant_linear" if kind == "dense" else "ds_invariant_qlinear") + f"_g{group}"
+    return Instance(name, _inputs(kind, group), _names(group, "o{}"), ctx + _call_source(kind, group), _body())
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(lang: str, kind: str):
-    inst = instance(lang, kind)
+def _kernel(lang: str, kind: str, group: int = 1):
+    inst = instance(lang, kind, group)
     make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
     return make(
         name=inst.name,
@@ -131,26 +149,36 @@ def _no_bias(dtype) -> mx.array:
     return z
 
 
-def _launch(kern, inputs, template, M: int, N: int, dtype) -> mx.array:
-    (out,) = kern(
+def _launch(kern, inputs, template, lead: tuple, Ns: tuple, dtypes: list) -> list:
+    """One launch; x = inputs[0] is [*lead, K] as it comes, output g is [*lead, Ns[g]]."""
+    return kern(
         inputs=inputs,
         template=template,
-        grid=(-(-N // COLS) * THREADS, 1, 1),
+        grid=(-(-sum(Ns) // COLS) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[dtype],
+        output_shapes=[lead + (n,) for n in Ns],
+        output_dtypes=dtypes,
     )
-    return out
 
 
 def dense_gpu(x2, weight, bias=None, lang: str = "cuda") -> mx.array:
     """The GPU instance on x2 [M, K] (tests and benchmarks; layers go through call())."""
-    return _dense_gpu_plan(weight, bias, lang)(x2)
+    return _dense_gpu_plan([weight], [bias], lang)(x2)[0]
 
 
 def affine_gpu(x2, wq, scales, biases, bits: int, bias=None, lang: str = "cuda") -> mx.array:
     """The quantized GPU instance on x2 [M, K] (tests and benchmarks; layers go through call())."""
-    return _affine_gpu_plan(wq, scales, biases, bits, bias, lang)(x2)
+    return _affine_gpu_plan([(wq, scales, biases)], bits, [bias], lang)(x2)[0]
+
+
+def dense_gpu_group(x2, weights, biases, lang: str = "cuda") -> list:
+    """Several dense weights over one input in one launch (tests and benchmarks)."""
+    return _dense_gpu_plan(list(weights), list(biases), lang)(x2)
+
+
+def affine_gpu_group(x2, quants, bits: int, biases, lang: str = "cuda") -> list:
+    """Several affine weights (wq, scales, biases) over one input in one launch."""
+    return _affine_gpu_plan(list(quants), bits, list(biases), lang)(x2)
 
 
 # ------------------------------------------------------------------------------------ dispatch
@@ -190,7 +218,7 @@ def affine(x, wq, scales, biases, group_size: int, bits: int, bias=None) -> mx.a
     path = linear_path()
     if path not in ("cuda", "metal") or bits not in BITS or group_size not in GROUPS or wq.ndim != 2:
         return None
-    return _affine_gpu_plan(wq, scales, biases, bits, bias, path)(x)
+    return _first(_affine_gpu_plan([(wq, scales, biases)], bits, [bias], path))(x)
 
 
 _plans: dict = {}  # (id(layer), as_linear) -> (weakref to the layer, weight, device, plan or None)
@@ -216,32 +244,151 @@ def call(layer, x: mx.array, as_linear: bool = False) -> mx.array | None:
 def _plan(layer, as_linear: bool):
     """A function x -> the layer's invariant product (None for an input it does not take), or
     None for a layer kind with no invariant path here."""
-    bias = None if as_linear or "bias" not in layer else layer["bias"]
-    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        if getattr(layer, "mode", "affine") != "affine":
-            return None
-        wq, scales, biases = layer["weight"], layer["scales"], layer["biases"]
-        bits, group = layer.bits, layer.group_size
-        path = linear_path()
-        if path not in ("cuda", "metal") or bits not in BITS or group not in GROUPS or wq.ndim != 2:
-            return None  # MLX's own op
-        return _affine_gpu_plan(wq, scales, biases, bits, bias, path)
+    path = linear_path()
+    if not as_linear and path in ("cuda", "metal"):
+        sib = _sibling_of.get(id(layer))
+        if sib is not None and sib[0]() is layer:
+            if sib[1].valid():
+                return sib[1].member(sib[2])
+            _sibling_of.pop(id(layer), None)  # a sibling went or took another weight: alone from now
+    got = _gpu_plan([layer], as_linear, path)
+    if got is not None or path in ("cuda", "metal"):
+        return None if got is None else _first(got)
     if isinstance(layer, (nn.Linear, nn.Embedding)):
-        return _dense_plan(layer["weight"], bias, linear_path())
+        bias = None if as_linear or "bias" not in layer else layer["bias"]
+        return _dense_plan(layer["weight"], bias, path)
+    return None  # quantized on the CPU: MLX's own op
+
+
+def _first(group_plan):
+    def plan(x):
+        outs = group_plan(x)
+        return None if outs is None else outs[0]
+
+    return plan
+
+
+def _gpu_plan(layers: list, as_linear: bool, path: str):
+    """One launch over these layers' weights (one input, len(layers) outputs), or None where the
+    layers are not all of one kind this path takes (different kinds, bits, groups, dtypes, K)."""
+    if path not in ("cuda", "metal") or not layers:
+        return None
+    biases = [None if as_linear or "bias" not in lay else lay["bias"] for lay in layers]
+    first = layers[0]
+    if isinstance(first, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        ok = all(
+            type(lay) is type(first)
+            and getattr(lay, "mode", "affine") == "affine"
+            and lay.bits == first.bits
+            and lay.group_size == first.group_size
+            and lay["weight"].ndim == 2
+            and lay["weight"].shape[1] == first["weight"].shape[1]
+            for lay in layers
+        )
+        if not ok or first.bits not in BITS or first.group_size not in GROUPS:
+            return None
+        quants = [(lay["weight"], lay["scales"], lay["biases"]) for lay in layers]
+        return _affine_gpu_plan(quants, first.bits, biases, path)
+    if isinstance(first, (nn.Linear, nn.Embedding)):
+        w0 = first["weight"]
+        ok = all(
+            type(lay) is type(first)
+            and lay["weight"].ndim == 2
+            and lay["weight"].dtype == w0.dtype
+            and lay["weight"].shape[1] == w0.shape[1]
+            for lay in layers
+        )
+        if not ok or w0.ndim != 2 or w0.dtype not in _FLOATS or w0.shape[1] % VEC:
+            return None
+        return _dense_gpu_plan([lay["weight"] for lay in layers], biases, path)
     return None
 
 
+# ------------------------------------------------------------------------- sibling layers
+# Layers of one parent that a forward calls on the same input, in this order: mlx-lm's attention
+# (q/k/v) and gated MLPs (gate/up) under the names its model families use.
+SIBLINGS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("wq", "wk", "wv"),
+    ("w1", "w3"),
+)
+_sibling_of: dict = {}  # id(layer) -> (weakref to the layer, its _Siblings, index in it)
+
+
+class _Siblings:
+    """G <= 3 layers that take the same input: the first one called computes all of them in one
+    launch (each output column the same arithmetic as the layer alone: the body is per column),
+    the others take their output when they are called with that same input array."""
+
+    def __init__(self, layers: list, path: str):
+        self.refs = [weakref.ref(lay) for lay in layers]
+        self.weights = [lay.get("weight") for lay in layers]
+        self.plan = _gpu_plan(layers, False, path)
+        self.x = None
+        self.outs: list = []
+
+    def valid(self) -> bool:
+        layers = [r() for r in self.refs]
+        return all(lay is not None and lay.get("weight") is w for lay, w in zip(layers, self.weights))
+
+    def member(self, i: int):
+        """Layer i's plan (call() re-plans a layer whose weight changed; valid() then fails)."""
+
+        def plan(x):
+            if self.x is x and self.outs[i] is not None:
+                y, self.outs[i] = self.outs[i], None
+                if not any(o is not None for o in self.outs):
+                    self.x = None
+                return y
+            outs = self.plan(x)
+            if outs is None:
+                return None
+            self.x, self.outs = x, list(outs)
+            y, self.outs[i] = self.outs[i], None
+            return y
+
+        return plan
+
+
+def group_siblings(model) -> int:
+    """Find the sibling layers (SIBLINGS) of `model` that one GPU launch can compute together and
+    route them so (call()); returns the number of groups. Without a GPU path: nothing to do."""
+    path = linear_path()
+    if path not in ("cuda", "metal"):
+        return 0
+    n = 0
+    for _, module in model.named_modules():
+        for names in SIBLINGS:
+            layers = [module.get(name) for name in names]
+            if any(lay is None for lay in layers) or not isinstance(layers[0], (nn.Linear, nn.QuantizedLinear)):
+                continue
+            if _gpu_plan(layers, False, path) is None:
+                continue
+            group = _Siblings(layers, path)
+            for i, lay in enumerate(layers):
+                key = id(lay)
+                if key not in _sibling_of:
+                    weakref.finalize(lay, _sibling_of.pop, key, None)
+                _sibling_of[key] = (weakref.ref(lay), group, i)
+                _plans.pop((key, False), None)
+            n += 1
+    return n
+
+
 def reset() -> None:
-    """Forget the cached paths and per-layer plans (after MLX_DSPARK_KERNELS or the extension changed)."""
+    """Forget the cached paths, per-layer plans and sibling groups (after MLX_DSPARK_KERNELS or
+    the extension changed)."""
     _paths.clear()
     _plans.clear()
+    _sibling_of.clear()
 
 
 def _dense_plan(weight: mx.array, bias, path: str):
     if weight.ndim != 2 or weight.dtype not in _FLOATS or weight.shape[1] % VEC:
         return lambda x: None
     if path in ("cuda", "metal"):
-        return _dense_gpu_plan(weight, bias, path)
+        return _first(_dense_gpu_plan([weight], [bias], path))
     N, K = weight.shape
     dt = weight.dtype
     if path == "native":
@@ -267,26 +414,30 @@ def _dense_plan(weight: mx.array, bias, path: str):
     return plan
 
 
-def _dense_gpu_plan(weight: mx.array, bias, lang: str):
-    N, K = weight.shape
-    dt = weight.dtype
-    kern = _kernel(lang, "dense")
-    b = bias.astype(dt) if bias is not None else _no_bias(dt)
-    template = [("T", dt), ("HAS_BIAS", bias is not None)]
+def _dense_gpu_plan(weights: list, biases: list, lang: str):
+    G = len(weights)
+    K = weights[0].shape[1]
+    dt = weights[0].dtype
+    Ns = tuple(w.shape[0] for w in weights)
+    kern = _kernel(lang, "dense", G)
+    fixed = list(weights) + [b.astype(dt) if b is not None else _no_bias(dt) for b in biases]
+    template = [("T", dt), ("HB", sum(1 << g for g, b in enumerate(biases) if b is not None))]
+    dtypes = [dt] * G
 
     def plan(x):
         if x.dtype != dt or x.shape[-1] != K or x.size == 0:
             return None
-        M = x.size // K
-        out = _launch(kern, [x.reshape(M, K), weight, b], template, M, N, dt)
-        return out if x.ndim == 2 else out.reshape(*x.shape[:-1], N)
+        return _launch(kern, [x] + fixed, template, x.shape[:-1], Ns, dtypes)
 
     return plan
 
 
-def _affine_gpu_plan(wq, scales, biases, bits: int, bias, lang: str):
-    N, K = wq.shape[0], wq.shape[1] * 32 // bits
-    kern = _kernel(lang, "affine")
+def _affine_gpu_plan(quants: list, bits: int, biases: list, lang: str):
+    G = len(quants)
+    K = quants[0][0].shape[1] * 32 // bits
+    Ns = tuple(q[0].shape[0] for q in quants)
+    kern = _kernel(lang, "affine", G)
+    hb = sum(1 << g for g, b in enumerate(biases) if b is not None)
     fixed: dict = {}  # x dtype -> (the inputs after x, the template)
 
     def plan(x):
@@ -295,13 +446,9 @@ def _affine_gpu_plan(wq, scales, biases, bits: int, bias, lang: str):
             return None
         got = fixed.get(dt)
         if got is None:
-            b = bias.astype(dt) if bias is not None else _no_bias(dt)
-            got = fixed[dt] = (
-                [wq, scales.astype(dt), biases.astype(dt), b],
-                [("T", dt), ("BITS", bits), ("HAS_BIAS", bias is not None)],
-            )
-        M = x.size // K
-        out = _launch(kern, [x.reshape(M, K)] + got[0], got[1], M, N, dt)
-        return out if x.ndim == 2 else out.reshape(*x.shape[:-1], N)
+            ins = [a for wq, s, z in quants for a in (wq, s.astype(dt), z.astype(dt))]
+            ins += [b.astype(dt) if b is not None else _no_bias(dt) for b in biases]
+            got = fixed[dt] = (ins, [("T", dt), ("BITS", bits), ("HB", hb)], [dt] * G)
+        return _launch(kern, [x] + got[0], got[1], x.shape[:-1], Ns, got[2])
 
     return plan

@@ -265,8 +265,11 @@ def _disable(target) -> None:
 def _enable_kernels(target) -> None:
     from ..compat import route_causal_attention_to_invariant_op, route_linears_to_invariant_op
 
+    from ..kernels import invariant_linear
+
     route_causal_attention_to_invariant_op()
     route_linears_to_invariant_op()
+    invariant_linear.group_siblings(target.model)  # q/k/v and gate/up: one launch each on a GPU
     target.invariant_kernels = True
 
 

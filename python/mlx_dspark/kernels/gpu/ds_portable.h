@@ -55,6 +55,7 @@ template <typename T>
 DS_FUNC float ds_to_float(T x) { return static_cast<float>(x); }
 template <typename T>
 DS_FUNC T ds_from_float(float x) { return static_cast<T>(x); }
+DS_FUNC float ds_fma(float a, float b, float c) { return metal::fma(a, b, c); }
 
 #else
 // -------------------------------------------------------------------------------- CUDA
@@ -88,6 +89,7 @@ template <>
 DS_FUNC __half ds_from_float<__half>(float x) { return __float2half(x); }
 template <>
 DS_FUNC __nv_bfloat16 ds_from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+DS_FUNC float ds_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 #endif
 
 // ------------------------------------------------------------------------ both languages
