@@ -33,6 +33,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--kind", choices=["dspark", "dflash"], help="default: dspark (or --init-from's)")
     p.add_argument(
+        "--layout",
+        choices=["zlab", "deepspec"],
+        help="--kind dflash's packaging: zlab (default: z-lab's DFlashDraftModel, block 16, slot 0 the "
+        "anchor only, no embed/lm_head) or deepspec (DeepSpec's DFlash, block 7)",
+    )
+    p.add_argument(
         "--dtype",
         choices=["float32", "float16", "bfloat16"],
         help="target precision (default: float32 on CPU, bfloat16 on a GPU)",
@@ -76,7 +82,7 @@ def add_parser(sub) -> None:
         type=positive_int,
         help="drafter depth (default 2; with --init-from, the checkpoint's, or more: new layers start as identity)",
     )
-    a.add_argument("--block-size", type=positive_int, help="draft tokens per round (default 7)")
+    a.add_argument("--block-size", type=positive_int, help="block slots (default 7; z-lab DFlash: 16, i.e. 15 drafts per round)")
     a.add_argument(
         "--taps",
         type=_taps,
@@ -163,6 +169,7 @@ def options_from_args(args):
     )
     cfg = DistillConfig(
         kind=args.kind,
+        layout=args.layout,
         layers=args.layers,
         block_size=args.block_size,
         taps=args.taps,

@@ -6,8 +6,15 @@ Checkpoint = DeepSpec's layout (deepspec/modeling/dspark/*/config.py, build_draf
 `model.safetensors` with top-level tensor names (`fc.weight`, `layers.N...`, `markov_head...`,
 `confidence_head...`, `embed_tokens.weight`, `lm_head.weight`: frozen copies of the target's),
 bf16 like the released checkpoints. Architecture
-`Qwen3DSparkModel` for every target; with `--kind dflash` the Markov and confidence heads are off
-(DeepSpec's DFlash packaging). models/checkpoints.py loads it 1:1 (`--drafter DIR`).
+`Qwen3DSparkModel` for every target; with `--kind dflash --layout deepspec` the Markov and
+confidence heads are off (DeepSpec's DFlash packaging). models/checkpoints.py loads it 1:1
+(`--drafter DIR`).
+
+`--kind dflash` (layout zlab, the default) writes z-lab's layout instead: architectures
+`DFlashDraftModel` (+ its `auto_map`), `block_size` and `num_target_layers` at the top level,
+`dflash_config {mask_token_id, target_layer_ids}`, and only the backbone's tensors (fc,
+hidden_norm, layers.N.*, norm): no embed / lm_head, which z-lab binds to the target's. Slot 0
+is the anchor only; slots 1..B-1 are the B-1 drafts.
 
 Compact export (`--export DIR`): the same without the embed_tokens / lm_head copies, which are
 the target's own matrices; `config.json` says so with `"embeddings_from_target": true` and the
@@ -125,8 +132,10 @@ def drafter_config(
     markov_rank: int,
     intermediate_size: int | None,
     num_anchors: int,
+    layout: str = "deepspec",
 ) -> dict:
-    """The drafter's HF config.json: a copy of the target's text config, DeepSpec's keys on top."""
+    """The drafter's HF config.json: a copy of the target's text config, DeepSpec's keys on top
+    (layout "zlab": z-lab DFlash's keys instead)."""
     tc = copy.deepcopy(text_config(target.config))
     for k in _DROP:
         tc.pop(k, None)
@@ -162,6 +171,17 @@ def drafter_config(
         }
     )
     tc.pop("torch_dtype", None)
+    if layout == "zlab":
+        for k in ("mask_token_id", "target_layer_ids", "num_anchors", "enable_confidence_head", "markov_rank"):
+            tc.pop(k)
+        tc.update(
+            {
+                "architectures": ["DFlashDraftModel"],
+                "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+                "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": list(taps)},
+            }
+        )
+        return tc
     if dspark:
         tc["confidence_head_with_markov"] = markov_rank > 0
         if markov_rank > 0:
@@ -169,10 +189,15 @@ def drafter_config(
     return tc
 
 
+def is_zlab(cfg: dict) -> bool:
+    """A config in z-lab DFlash's layout (drafter_config(layout="zlab"))."""
+    return "DFlashDraftModel" in (cfg.get("architectures") or [])
+
+
 def spec_from_config(cfg: dict, path: Path) -> DrafterSpec:
     """The DrafterSpec our loader would build from this config (fresh weights, no files yet)."""
     H, heads, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
-    taps = tuple(cfg["target_layer_ids"])
+    taps = tuple(cfg["dflash_config"]["target_layer_ids"] if is_zlab(cfg) else cfg["target_layer_ids"])
     b = BackboneConfig(
         style="qwen3",
         hidden_size=H,
@@ -189,6 +214,11 @@ def spec_from_config(cfg: dict, path: Path) -> DrafterSpec:
     rank = int(cfg.get("markov_rank") or 0)
     conf = bool(cfg.get("enable_confidence_head"))
     packaging = "deepspec-dspark" if rank > 0 or conf else "deepspec-dflash"
+    if is_zlab(cfg):
+        packaging, dcfg = "zlab-dflash", cfg["dflash_config"]
+        taps, mask = tuple(dcfg["target_layer_ids"]), dcfg["mask_token_id"]
+    else:
+        mask = cfg["mask_token_id"]
     cap = cfg.get("final_logit_softcapping")
     return DrafterSpec(
         packaging,
@@ -199,7 +229,7 @@ def spec_from_config(cfg: dict, path: Path) -> DrafterSpec:
         b,
         cfg["vocab_size"],
         cfg["block_size"],
-        cfg["mask_token_id"],
+        mask,
         taps,
         markov_rank=rank,
         confidence=conf,
@@ -253,13 +283,16 @@ def init_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
 def save_drafter(model: nn.Module, cfg: dict, out: Path, *, compact: bool = False, meta: dict | None = None) -> Path:
     """Write config.json + model.safetensors (bf16) into `out` (each file replaced atomically; other
     files in `out` are left alone). `compact` leaves out the embed_tokens / lm_head copies (bound
-    to the target's at load)."""
+    to the target's at load). A z-lab layout config is always written without them (z-lab binds the
+    target's; its config needs no flag for it)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(cfg)
     if meta:
         cfg["mlx_dspark_distill"] = meta
-    if compact:
+    if is_zlab(cfg):
+        compact = True
+    elif compact:
         cfg["embeddings_from_target"] = True
     weights = {
         k: v.astype(mx.bfloat16)
@@ -318,6 +351,7 @@ __all__ = [
     "pick_mask_token",
     "drafter_config",
     "spec_from_config",
+    "is_zlab",
     "target_matrices",
     "init_weights",
     "save_drafter",

@@ -66,7 +66,8 @@ def export_compact(src: Path, dest: Path, bits: int = 16) -> Path:
         raise UserError(f"cannot export {src}: {e}") from None
     if not weights:
         raise UserError(f"cannot export {src}: it has no *.safetensors weights")
-    cfg["embeddings_from_target"] = True
+    if "DFlashDraftModel" not in (cfg.get("architectures") or []):  # z-lab's layout never has them
+        cfg["embeddings_from_target"] = True
     cfg.pop("quantization", None)
     kept = {
         k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v

@@ -78,11 +78,13 @@ def block_hidden(
     block_size: int,
     mask_token_id: int,
     embed_scale: float = 1.0,
+    embed=None,
 ) -> mx.array:
     """Final-normed slot states [S, A, B, H] of the blocks anchored at `anchors` [S, A].
 
     taps [S, T, len(taps) * H_t]: the target's tapped rows of each sequence (right-padded);
-    tokens [S, T]: the sequences' token ids."""
+    tokens [S, T]: the sequences' token ids; `embed` (ids -> embeddings): instead of the model's
+    own embed_tokens (z-lab DFlash embeds with the target's, family scaling included)."""
     if model.bcfg.style != "qwen3":
         raise ValueError("distill trains qwen3-style drafter layers only")
     S, A = anchors.shape
@@ -91,7 +93,7 @@ def block_hidden(
     ctx = model.fuse(taps)  # [S, T, H]
     x0 = mx.take_along_axis(tokens, anchors, axis=1)  # [S, A]
     ids = mx.concatenate([x0[..., None], mx.full((S, A, B - 1), mask_token_id, dtype=tokens.dtype)], axis=-1)
-    h = model.embed_tokens(ids)
+    h = model.embed_tokens(ids) if embed is None else embed(ids)
     if embed_scale != 1.0:
         h = h * embed_scale
     h = h.astype(model.norm.weight.dtype).reshape(S, A * B, -1)

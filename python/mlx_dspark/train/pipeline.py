@@ -148,6 +148,7 @@ def run_distill(
     meta = {
         "target": str(model),
         "kind": cfg.kind,
+        **({"layout": cfg.layout} if cfg.kind == "dflash" else {}),
         "prompts": [str(p) for p in opts.prompts] + (["<built-in>"] if opts.builtin_prompts else []),
         "samples": len(samples),
         "answer_tokens": sum(s.n_answer for s in samples),

@@ -51,8 +51,9 @@ from .losses import LossWeights, TrainVocab, block_loss
 @dataclass
 class DistillConfig:
     kind: str | None = None  # dspark | dflash; None: dspark, or the init checkpoint's
+    layout: str | None = None  # dflash only: zlab (default) | deepspec; None: zlab, or the init checkpoint's
     layers: int | None = None  # None: 2, or the init checkpoint's
-    block_size: int | None = None  # None: 7, or the init checkpoint's
+    block_size: int | None = None  # None: 7 (z-lab DFlash: 16), or the init checkpoint's
     taps: list[int] | None = None  # None: default_taps(target layers, n_taps)
     n_taps: int = 5
     markov_rank: int | None = None  # None: 256 (DeepSpec) for targets of hidden >= 2048, else 64
@@ -66,7 +67,7 @@ class DistillConfig:
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    gamma: float = 4.0
+    gamma: float | None = None  # position decay exp(-j/gamma); None: 4 (DeepSpec), z-lab DFlash by block (7 at 16)
     save_every: int = 500
     seed: int = 0
     log_every: int = 10
@@ -77,7 +78,7 @@ class DistillConfig:
 
     def arch(self) -> dict:
         """What must match for --resume."""
-        return {
+        out = {
             k: getattr(self, k)
             for k in (
                 "kind",
@@ -94,6 +95,18 @@ class DistillConfig:
                 "train_vocab",
             )
         }
+        if self.kind == "dflash":
+            out["layout"] = self.layout
+        return out
+
+    def decay(self) -> float:
+        """The loss's position decay: DeepSpec's 4.0; for z-lab DFlash the DFlash paper's schedule by
+        block size (7 for 16, 5 for 10, 4 for 8 and below), the nearest one at or below the block."""
+        if self.gamma is not None:
+            return float(self.gamma)
+        if self.kind == "dflash" and self.layout == "zlab":
+            return 7.0 if self.block_size >= 16 else 5.0 if self.block_size >= 10 else 4.0
+        return 4.0
 
 
 # --------------------------------------------------------------------------------- progress
@@ -159,15 +172,16 @@ def lr_at(step: int, total: int, peak: float, warmup_ratio: float) -> float:
 
 
 # ------------------------------------------------------------------------------------- model
-# DistillConfig field -> how an existing DeepSpec-layout checkpoint says it.
+# DistillConfig field -> how an existing checkpoint (its DrafterSpec, read by our loader) says it.
 _INIT_ARCH = {
-    "layers": lambda c: int(c["num_hidden_layers"]),
-    "block_size": lambda c: int(c["block_size"]),
-    "taps": lambda c: [int(t) for t in c["target_layer_ids"]],
-    "markov_rank": lambda c: int(c.get("markov_rank") or 0),
-    "intermediate_size": lambda c: int(c["intermediate_size"]),
-    "mask_token_id": lambda c: int(c["mask_token_id"]),
-    "kind": lambda c: "dspark" if (c.get("markov_rank") or c.get("enable_confidence_head")) else "dflash",
+    "layers": lambda s: s.backbone.num_layers,
+    "block_size": lambda s: s.block_size,
+    "taps": lambda s: [int(t) for t in s.taps],
+    "markov_rank": lambda s: s.markov_rank,
+    "intermediate_size": lambda s: s.backbone.intermediate_size,
+    "mask_token_id": lambda s: s.mask_token_id,
+    "kind": lambda s: s.kind,
+    "layout": lambda s: {"zlab-dflash": "zlab", "deepspec-dflash": "deepspec"}.get(s.packaging),
 }
 _FLAG = {
     "layers": "--layers",
@@ -177,6 +191,7 @@ _FLAG = {
     "intermediate_size": "--intermediate-size",
     "mask_token_id": "--mask-token-id",
     "kind": "--kind",
+    "layout": "--layout",
 }
 
 
@@ -186,8 +201,17 @@ def resolve_arch(cfg: DistillConfig, target) -> Path | None:
     folder, or None. Idempotent."""
     path = _init_arch(cfg, target) if cfg.init_from else None
     cfg.kind = cfg.kind or "dspark"
+    if cfg.layout not in (None, "zlab", "deepspec"):
+        raise UserError(f"--layout must be zlab or deepspec, got {cfg.layout!r}")
+    if cfg.kind == "dspark":
+        if cfg.layout not in (None, "deepspec"):
+            raise UserError("--layout zlab is a DFlash packaging: use it with --kind dflash")
+        cfg.layout = None
+    else:
+        cfg.layout = cfg.layout or "zlab"
     cfg.layers = 2 if cfg.layers is None else cfg.layers
-    cfg.block_size = 7 if cfg.block_size is None else cfg.block_size
+    if cfg.block_size is None:
+        cfg.block_size = 16 if cfg.layout == "zlab" else 7
     return path
 
 
@@ -201,13 +225,14 @@ def _init_arch(cfg: DistillConfig, target) -> Path:
         mc.check_target(spec, target)
     except UserError as e:
         raise UserError(f"--init-from: {e}") from None
-    if spec.packaging not in ("deepspec-dspark", "deepspec-dflash"):
+    if spec.packaging not in ("deepspec-dspark", "deepspec-dflash", "zlab-dflash"):
         raise UserError(
-            f"--init-from {cfg.init_from}: a {spec.packaging} checkpoint cannot be trained further "
-            "here (distill trains the DeepSpec layout: DSpark, or DFlash with --kind dflash)"
+            f"--init-from {cfg.init_from}: a {spec.packaging} checkpoint cannot be trained further here"
         )
     for key, read in _INIT_ARCH.items():
-        have = read(hcfg)
+        have = read(spec)
+        if key == "layout" and have is None:
+            continue  # a DSpark checkpoint: no DFlash layout
         mine = getattr(cfg, key)
         if key == "layers":
             cfg.init_layers = have
@@ -275,6 +300,7 @@ def build_model(target, tokenizer, cfg: DistillConfig, out: Path) -> tuple[DSpar
         markov_rank=cfg.markov_rank,
         intermediate_size=cfg.intermediate_size,
         num_anchors=cfg.anchors,
+        layout=cfg.layout or "deepspec",
     )
     spec = ck.spec_from_config(hcfg, out)
     model = DSparkModel(spec)
@@ -381,7 +407,15 @@ def train(
         raise UserError("no training samples (every answer was empty)")
     model, hcfg, spec = build_model(target, tokenizer, cfg, out)
     B = cfg.block_size
-    weights = LossWeights.for_kind(cfg.kind, cfg.gamma)
+    # z-lab DFlash: slot 0 is the anchor only; draft slot k (block slot k + 1) predicts anchor + k + 1,
+    # so the targets of its B - 1 drafts are DeepSpec's for a block of B - 1.
+    first = spec.logits_start
+    Dn = B - first
+    embed = None
+    if spec.packaging == "zlab-dflash":  # z-lab embeds with the target's own embedding (its scaling too)
+        scale = float(spec.embed_scale or 1.0)
+        embed = target.embed if scale == 1.0 else (lambda ids: target.embed(ids) * scale)
+    weights = LossWeights.for_kind(cfg.kind, cfg.decay())
     softcap = spec.softcap
     vocab = train_vocab(samples, cfg.train_vocab, spec.vocab_size)
     if vocab is not None:
@@ -411,14 +445,18 @@ def train(
 
     def loss_fn(m, taps_a, tok, anc, lab, prv, msk, tlog):
         S, A = anc.shape
-        h = block_hidden(m, taps_a, tok, anc, B, spec.mask_token_id)
-        tl = tlog.reshape(S * A, B, -1) if vocab is None else (tlog[0].reshape(S * A, B, -1), tlog[1].reshape(S * A, B))
+        h = block_hidden(m, taps_a, tok, anc, B, spec.mask_token_id, embed=embed)[:, :, first:]
+        tl = (
+            tlog.reshape(S * A, Dn, -1)
+            if vocab is None
+            else (tlog[0].reshape(S * A, Dn, -1), tlog[1].reshape(S * A, Dn))
+        )
         return block_loss(
             m,
-            h.reshape(S * A, B, -1),
-            prv.reshape(S * A, B),
-            lab.reshape(S * A, B),
-            msk.reshape(S * A, B),
+            h.reshape(S * A, Dn, -1),
+            prv.reshape(S * A, Dn),
+            lab.reshape(S * A, Dn),
+            msk.reshape(S * A, Dn),
             tl,
             weights,
             softcap,
@@ -450,9 +488,9 @@ def train(
     with StopRequest() as stop:
         while step < total and not stop.requested:
             idx = batches.next()
-            tok, anc, lab, prv, msk = make_batch(samples, idx, cfg.anchors, B, rng)
+            tok, anc, lab, prv, msk = make_batch(samples, idx, cfg.anchors, Dn, rng)
             tok_a = mx.array(tok)
-            hid, tlog = target_inputs(target, tok_a, [len(samples[i].ids) for i in idx], anc, msk, B, taps, vocab)
+            hid, tlog = target_inputs(target, tok_a, [len(samples[i].ids) for i in idx], anc, msk, Dn, taps, vocab)
             lr = lr_at(step, total, cfg.lr, cfg.warmup_ratio)
             opt.learning_rate = lr
             (loss, mets), grads = value_grad(
