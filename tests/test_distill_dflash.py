@@ -291,3 +291,75 @@ def test_init_from_a_zlab_drafter_keeps_its_layout_and_weights(tiny, tmp_path):
     with pytest.raises(UserError, match="--kind dspark disagrees with --init-from"):
         run_distill(o, log=_quiet)
     assert not (tmp_path / "c" / "samples.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_distilled_dflash_drafter_registers_with_its_figures_and_command(trained, tmp_path, monkeypatch):
+    """write_pair_file registers the exported drafter (pair.json beside its weights) with the
+    figures measured and the command that reproduces them: MLX_DSPARK_PAIRS names it, then
+    `mlx-dspark models` lists it with both, and load_dflash_pair / --mode dflash / --mode auto
+    find it with no --drafter and decode losslessly (tokens and text)."""
+    from mlx_dspark.api import generate
+    from mlx_dspark.errors import UserError
+    from mlx_dspark.models import registry
+    from mlx_dspark.models.loading import load_target
+    from mlx_dspark.pairs import dflash_generate, load_dflash_pair
+
+    rule, root = trained
+    drafter = tmp_path / "dflash-rule"
+    shutil.copytree(root / "x", drafter)
+    acc = _accept(root / "t")["_all"]
+    measured = f"CPU float32: held-out accept {acc:.2f} (4 built-in prompts per domain)"
+    command = f"mlx-dspark distill --model {rule} --kind dflash --steps 250 ..."
+    target, _ = load_target(str(rule))
+    registry.write_pair_file(drafter, target, measured=measured, reproduce=command, note="test fixture")
+    pair = registry.read_pair_file(drafter)
+    assert (pair.target, pair.kind, pair.packaging, pair.block) == ("rule", "dflash", "zlab-dflash", 15)
+    assert registry.pairs_for(target, "dflash") == []  # not registered until named
+    monkeypatch.setenv(registry.ENV, str(tmp_path))  # a folder of drafter folders
+    assert registry.pairs_for(target, "dflash") == [pair] and registry.pairs_for(target, "dspark") == []
+
+    env = {registry.ENV: str(drafter)}
+    listing = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", "models", "--json"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **env),
+        timeout=120,
+    )
+    rows = [r for r in json.loads(listing.stdout)["pairs"] if r["drafter"] == str(drafter.resolve())]
+    assert len(rows) == 1 and rows[0]["measured"] == measured and rows[0]["reproduce"] == command
+    text = subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", "models"], capture_output=True, text=True, env=dict(os.environ, **env)
+    ).stdout
+    assert f"measured: {measured}" in text and "reproduce: mlx-dspark distill" in text
+
+    t, tok, d, info = load_dflash_pair(str(rule))
+    assert info["drafter"] == str(drafter.resolve()) and info["packaging"] == "zlab-dflash"
+    base = generate(t, tok, "Count on, please.", mode="baseline", max_new_tokens=40)
+    res = dflash_generate(t, tok, d, "Count on, please.", max_new_tokens=40)
+    assert res.tokens == base.tokens and res.text == base.text and max(res.accept_lengths) > 1
+    common = ["--model", str(rule), "--prompt", "Count on, please.", "--max-new-tokens", "40", "--json"]
+    for mode in ("dflash", "auto"):
+        p = subprocess.run(
+            [sys.executable, "-m", "mlx_dspark", "generate", *common, "--mode", mode, "--max-draft", "15"],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, **env),
+            timeout=120,
+        )
+        j = json.loads(p.stdout)
+        assert j["mode"] == "dflash" and j["drafter"] == str(drafter.resolve()), (mode, p.stderr[-500:])
+        assert j["tokens"] == base.tokens and j["text"] == base.text
+
+    # Shipped the same way: a folder with pair.json under the package's assets/ is registered.
+    monkeypatch.delenv(registry.ENV)
+    monkeypatch.setattr(registry, "ASSETS", tmp_path)
+    assert registry._shipped() == (pair,) and registry.is_packaged(str(drafter))
+    (drafter / registry.PAIR_FILE).write_text('{"target": "rule"}')
+    monkeypatch.setenv(registry.ENV, str(drafter))
+    with pytest.raises(UserError, match="pair.json is unreadable"):
+        registry.pairs_for(target)
+    monkeypatch.setenv(registry.ENV, str(tmp_path / "nothing-here"))
+    with pytest.raises(UserError, match="holds no pair.json"):
+        registry.table()

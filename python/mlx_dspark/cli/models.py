@@ -39,9 +39,9 @@ def _drafter_cell(path: str) -> str:
     """A drafter shipped inside the package shows as `package: NAME`, not as a long local path."""
     from pathlib import Path
 
-    from ..models.registry import SMOLLM2_DSPARK
+    from ..models.registry import is_packaged
 
-    return f"package: {Path(path).name}" if path == SMOLLM2_DSPARK else path
+    return f"package: {Path(path).name}" if is_packaged(path) else path
 
 
 def _demo_drafter(demo: dict) -> str:
@@ -85,7 +85,7 @@ def run(args) -> int:
     print("  ".join("-" * w for w in widths))
     for c, r in zip(cells, rows):
         print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
-        for label, key in (("measured", "measured"), ("note", "note")):
+        for label, key in (("measured", "measured"), ("reproduce", "reproduce"), ("note", "note")):
             if r[key]:
                 print(textwrap.fill(f"{label}: {r[key]}", WIDTH, initial_indent="    ", subsequent_indent="      "))
     if any(r["measured"] is None for r in rows):

@@ -10,14 +10,24 @@ The seed rows are the pairs DeepSeek (DeepSpec) and z-lab (the dflash
 README) published. None is measured by mlx-dspark yet (`measured` is None): their figures will
 come from users who can reach the hub (`mlx-dspark benchmark --json`). `--drafter` overrides
 the registry; any compatible checkpoint runs through it without an entry here.
+
+Our own drafters (distilled with `mlx-dspark distill`) are registered with what we measured and
+the command that reproduces it (`measured`, `reproduce`). A drafter shipped as a folder under
+python/mlx_dspark/assets/ with a `pair.json` beside its weights is registered by that file alone
+(write_pair_file writes it: target name and shape, kind, packaging, figures, command); so is any
+such folder named in MLX_DSPARK_PAIRS (folders separated by os.pathsep; a folder of drafter
+folders works too), read at each lookup: a drafter you distilled and measured yourself.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from ..errors import UserError
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class Pair:
     shape: Shape
     measured: str | None = None  # our measurement (device, tok/s, accept length); None = not yet
     note: str = ""
+    reproduce: str = ""  # the command that reproduces `measured`
 
 
 _QWEN3 = ("qwen3",)
@@ -51,13 +62,16 @@ LLAMA31_8B = Shape(("llama",), 4096, 32, 128256)
 SMOLLM2_135M = Shape(("llama",), 576, 30, 49152)
 # Our own reference drafter, distilled with `mlx-dspark distill`, shipped in the package (its README
 # holds how it was trained).
-SMOLLM2_DSPARK = str(Path(__file__).resolve().parents[1] / "assets" / "dspark-smollm2-135m-instruct")
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+SMOLLM2_DSPARK = str(ASSETS / "dspark-smollm2-135m-instruct")
+PAIR_FILE = "pair.json"
+ENV = "MLX_DSPARK_PAIRS"
 
 _DEEPSEEK = "DeepSeek (DeepSpec)"
 _ZLAB = "z-lab"
 UNMEASURED = "published pair; not yet measured by mlx-dspark"
 
-PAIRS: tuple[Pair, ...] = (
+_OURS: tuple[Pair, ...] = (
     Pair(
         "smollm2-135m-instruct",
         "dspark",
@@ -68,9 +82,13 @@ PAIRS: tuple[Pair, ...] = (
         SMOLLM2_135M,
         measured="CPU float32: accept 3.20 humaneval, 3.51 mbpp, 2.32 mt-bench; code 2.36x greedy "
         "(bench/results/dspark-cpu.md)",
+        reproduce="python bench/bench_dspark.py --dtype float32 --samples 20 --skip-speed (acceptance); "
+        "python bench/bench_dspark.py --dtype float32 --skip-accept --speed-prompts 3 (speed)",
         note="the demo target's drafter (mlx-dspark distill; its README says how it "
         "was trained); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's",
     ),
+)
+_PUBLISHED: tuple[Pair, ...] = (
     Pair("qwen3-4b", "dspark", "deepseek-ai/dspark_qwen3_4b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_4B),
     Pair("qwen3-8b", "dspark", "deepseek-ai/dspark_qwen3_8b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_8B),
     Pair("qwen3-14b", "dspark", "deepseek-ai/dspark_qwen3_14b_block7", _DEEPSEEK, "deepspec-dspark", 7, QWEN3_14B),
@@ -114,6 +132,107 @@ PAIRS: tuple[Pair, ...] = (
         note="block size read from its config at load",
     ),
 )
+
+
+
+# ------------------------------------------------------------------- pair.json (our drafters)
+def read_pair_file(folder) -> Pair:
+    """The Pair a drafter folder's pair.json registers (the drafter is the folder itself)."""
+    folder = Path(folder).expanduser().resolve()
+    f = folder / PAIR_FILE
+    try:
+        d = json.loads(f.read_text())
+        sh = d["shape"]
+        shape = Shape(tuple(sh["families"]), int(sh["hidden_size"]), int(sh["num_layers"]), int(sh["vocab_size"]))
+        if d["kind"] not in ("dspark", "dflash"):
+            raise ValueError(f"kind must be dspark or dflash, not {d['kind']!r}")
+        block = d.get("block")
+        return Pair(
+            str(d["target"]),
+            d["kind"],
+            str(folder),
+            str(d.get("publisher") or "mlx-dspark (distill)"),
+            str(d["packaging"]),
+            int(block) if block is not None else None,
+            shape,
+            measured=d.get("measured") or None,
+            note=str(d.get("note") or ""),
+            reproduce=str(d.get("reproduce") or ""),
+        )
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UserError(f"registered drafter {f} is unreadable ({type(e).__name__}: {e}); fix or remove it") from None
+
+
+def write_pair_file(
+    folder, target, *, measured: str | None = None, reproduce: str = "", note: str = "", publisher: str = ""
+) -> Path:
+    """Register the drafter in `folder` for `target` (a loaded Target): pair.json with the target's
+    canonical name and shape, the drafter's kind, packaging and drafts per round (from its own
+    checkpoint), and what was measured with the command that reproduces it."""
+    from .checkpoints import build_spec, read_config, tensor_shapes
+
+    folder = Path(folder)
+    spec = build_spec(folder, read_config(folder), tensor_shapes(folder))
+    names = target_names(target)
+    if not names:
+        raise UserError("write_pair_file: the target has no name to register the drafter under")
+    d = {
+        "target": names[0],
+        "kind": spec.kind,
+        "packaging": spec.packaging,
+        "block": spec.block_drafts,
+        "shape": asdict(Shape((target.model_type,), target.hidden_size, target.num_layers, target.vocab_size)),
+        "publisher": publisher or "mlx-dspark (distill)",
+        "measured": measured,
+        "reproduce": reproduce,
+        "note": note,
+    }
+    (folder / PAIR_FILE).write_text(json.dumps(d, indent=1) + "\n")
+    return folder / PAIR_FILE
+
+
+def _folders_with_pairs(root: Path) -> list[Path]:
+    if (root / PAIR_FILE).is_file():
+        return [root]
+    return [p.parent for p in sorted(root.glob(f"*/{PAIR_FILE}")) if p.is_file()]
+
+
+def _shipped() -> tuple[Pair, ...]:
+    known = {p.drafter for p in _OURS}
+    if not ASSETS.is_dir():
+        return ()
+    return tuple(read_pair_file(f) for f in _folders_with_pairs(ASSETS) if str(f.resolve()) not in known)
+
+
+def extra_pairs() -> list[Pair]:
+    """The pairs MLX_DSPARK_PAIRS registers (read at each call)."""
+    out = []
+    for part in os.environ.get(ENV, "").split(os.pathsep):
+        if not part.strip():
+            continue
+        root = Path(part).expanduser()
+        found = _folders_with_pairs(root) if root.is_dir() else []
+        if not found:
+            raise UserError(f"{ENV}: {root} holds no {PAIR_FILE} (a drafter folder with one, or a folder of them)")
+        out += [read_pair_file(f) for f in found]
+    return out
+
+
+PAIRS: tuple[Pair, ...] = _OURS + _shipped() + _PUBLISHED
+
+
+def all_pairs() -> list[Pair]:
+    """Every registered pair: MLX_DSPARK_PAIRS's first, then the package's (ours, then published)."""
+    return extra_pairs() + list(PAIRS)
+
+
+def is_packaged(drafter: str) -> bool:
+    """A drafter shipped inside the package (under assets/)."""
+    try:
+        return Path(drafter).resolve().parent == ASSETS
+    except (OSError, ValueError):
+        return False
+
 
 # Trailing name parts that only say how a checkpoint is stored, never which model it is.
 _STORAGE_SUFFIX = re.compile(
@@ -181,13 +300,15 @@ def pairs_for(target, kind: str | None = None) -> list[Pair]:
     """Registered pairs for a loaded target (name and shape must both match), in registry order."""
     names = target_names(target)
     return [
-        p for p in PAIRS if p.target in names and (kind is None or p.kind == kind) and shape_matches(p.shape, target)
+        p
+        for p in all_pairs()
+        if p.target in names and (kind is None or p.kind == kind) and shape_matches(p.shape, target)
     ]
 
 
 def pairs_for_name(name: str, kind: str | None = None) -> list[Pair]:
     c = canonical_name(name)
-    return [p for p in PAIRS if p.target == c and (kind is None or p.kind == kind)]
+    return [p for p in all_pairs() if p.target == c and (kind is None or p.kind == kind)]
 
 
 def table() -> list[dict]:
@@ -202,6 +323,7 @@ def table() -> list[dict]:
             "measured": p.measured,
             "status": p.measured or UNMEASURED,
             "note": p.note,
+            "reproduce": p.reproduce,
         }
-        for p in PAIRS
+        for p in all_pairs()
     ]
