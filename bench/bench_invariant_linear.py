@@ -3,6 +3,7 @@ product (x @ W.T, or mx.quantized_matmul) at decode and verify widths.
 
   python bench/bench_invariant_linear.py [--reps 50] [--quick] [--out FILE.md]
   python bench/bench_invariant_linear.py --cpu-kernels [--reps 15] [--out FILE.md]
+  python bench/bench_invariant_linear.py --cpu-verify [--reps 5] [--out FILE.md]
 
 Shapes: the demo SmolLM2-135M projections and lm_head, and Qwen3-4B-like ones; dense in the
 default float dtype (bf16 on a GPU, float32 on the CPU) and MLX affine 4- and 8-bit at group 64
@@ -16,6 +17,10 @@ own x @ W.T, on the demo model's shapes at M = 1, 2, 4, 8, 16, 17, 32. The three
 interleaved call by call and each figure is the median of --reps calls (the machine is shared).
 Each call reads its weight from one of several copies totalling over 64 MB, in turn, so that it
 comes from memory as in a forward (the whole model does not fit the cache) and not from L3.
+
+--cpu-verify (float32, on the CPU): the demo target's whole forward of w = 1..16 tokens over a
+200-token cache on the invariant-kernel path, with the CPU linears on the `rows` kernel and on
+the `tiled` one (interleaved, medians), and MLX's own forward (path native) beside them.
 """
 
 from __future__ import annotations
@@ -103,17 +108,94 @@ def cpu_kernels(reps: int) -> list[str]:
     return lines
 
 
+def cpu_verify(reps: int) -> list[str]:
+    """The --cpu-verify table (module docstring): ms per forward and ratios to the width-1 one."""
+    import functools
+    import os
+    import statistics
+    import types
+
+    import mlx.core as mx
+
+    import mlx_dspark as md
+    from mlx_dspark import benchmark as bm
+    from mlx_dspark.kernels import invariant_linear as il
+    from mlx_dspark.kernels import native
+    from mlx_dspark.models import invariance
+    from mlx_dspark.models.demo import demo_model_path
+
+    mx.set_default_device(mx.cpu)
+    target, _ = md.load_target(str(demo_model_path()), dtype="float32")
+    ext = native.ext(warn=True)
+    exts = {  # what kernels/invariant_linear.py's native plans call, per kernel
+        "rows": types.SimpleNamespace(invariant_linear=functools.partial(ext.invariant_linear, kernel="rows")),
+        "tiled": ext,
+    }
+    real_ext = native.ext
+
+    def use(side):
+        invariance.set_path(target, "native" if side == "native" else "kernels")
+        native.ext = real_ext if side == "native" else (lambda warn=True, e=exts[side]: e)
+        il.reset()
+
+    vocab = target.vocab_size
+    prefix = mx.array([[(13 * i + 5) % vocab for i in range(200)]], dtype=mx.int32)
+    block = mx.array([[(7 * i + 3) % vocab for i in range(16)]], dtype=mx.int32)
+    sides = ["rows", "tiled", "native"]
+    caches = {}
+    try:
+        for side in sides:
+            use(side)
+            caches[side] = target.make_cache()
+            mx.eval(target.forward(prefix, caches[side], last_only=True).logits)
+        times = {}
+        for w in range(1, 17):
+            for rep in range(reps + 1):  # the first round warms up
+                for side in sides:
+                    use(side)
+                    t0 = time.perf_counter()
+                    mx.eval(target.forward(block[:, :w], caches[side]).logits)
+                    dt = (time.perf_counter() - t0) * 1e3
+                    target.trim(caches[side], w)
+                    if rep:
+                        times.setdefault((side, w), []).append(dt)
+    finally:
+        native.ext = real_ext
+        il.reset()
+        invariance.set_path(target, "kernels")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    lines = [
+        f"## CPU verify forward, rows vs tiled kernel, demo SmolLM2-135M float32, {bm.device_stamp()}",
+        f"`bench/bench_invariant_linear.py --cpu-verify --reps {reps}` at {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"BLAS {os.environ.get('LD_PRELOAD', '') or 'bundled'}, load average "
+        f"{' '.join(f'{v:.2f}' for v in os.getloadavg())} at the end; median ms of {reps} forwards of w tokens "
+        "over a 200-token cache (trimmed back), the sides interleaved",
+        "",
+        "     w   rows ms  tiled ms  native ms  tiled/rows  rows(w)/rows(1)  tiled(w)/tiled(1)  native(w)/native(1)",
+    ]
+    for w in range(1, 17):
+        r, t, n = med[("rows", w)], med[("tiled", w)], med[("native", w)]
+        lines.append(
+            f"    {w:2d} {r:9.2f} {t:9.2f} {n:10.2f} {t / r:11.3f} {r / med[('rows', 1)]:16.2f} "
+            f"{t / med[('tiled', 1)]:18.2f} {n / med[('native', 1)]:20.2f}"
+        )
+        print(lines[-1], flush=True)
+    lines.append("")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="the 135M shapes only, widths 1 and 8")
     ap.add_argument("--out")
     ap.add_argument("--cpu-kernels", action="store_true", help="the CPU primitive's kernels (module docstring)")
+    ap.add_argument("--cpu-verify", action="store_true", help="the demo forward on each CPU kernel (docstring)")
     args = ap.parse_args()
-    if args.cpu_kernels:
+    if args.cpu_kernels or args.cpu_verify:
         from mlx_dspark import benchmark as bm
 
-        bm.emit("\n".join(cpu_kernels(args.reps)), args.out)
+        bm.emit("\n".join(cpu_kernels(args.reps) if args.cpu_kernels else cpu_verify(args.reps)), args.out)
         return 0
 
     import mlx.core as mx
