@@ -9,6 +9,7 @@ import tempfile
 from drafter_fixtures import target, workspace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prefix_fixtures import context_pair
 
 from mlx_dspark.api import encode_prompt, generate
 from mlx_dspark.models.drafters import load_drafter
@@ -54,7 +55,7 @@ turn = st.tuples(
     turns=st.lists(turn, min_size=3, max_size=9), slots=st.integers(1, 3), spill=st.booleans(), tiny_ram=st.booleans()
 )
 def test_warm_equals_cold(turns, slots, spill, tiny_ram):
-    t, tok, d = _pair()
+    t, tok, d = context_pair()  # a target that reads its context: a wrong cache shows
     spill_dir = tempfile.mkdtemp(prefix="prefix-spill-") if spill else None
 
     def fresh():
@@ -82,7 +83,7 @@ def test_warm_equals_cold(turns, slots, spill, tiny_ram):
 
 
 def test_a_follow_up_turn_reuses_the_conversation():
-    t, tok, d = _pair()
+    t, tok, d = context_pair()
     pc = PrefixCache(t, slots=2)
     ids = encode_prompt(tok, "the fox and the weather repeat hello world")
     first = _run(t, tok, d, ids, "dspark", 10, pc)
