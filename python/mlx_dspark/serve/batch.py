@@ -107,6 +107,8 @@ class BatchScheduler:
     def _next_job(self, block: bool):
         if self.waiting:
             return self.waiting.popleft()
+        if not block and self.engine._queue.empty():
+            return False  # the common case between two steps: no exception raised and caught
         try:
             return self.engine._queue.get(timeout=0.5) if block else self.engine._queue.get_nowait()
         except queue.Empty:
@@ -164,11 +166,12 @@ class BatchScheduler:
             self._fail(job, e)
 
     def _step(self) -> None:
-        from ..decode.batch import step_rows
-
         rows = list(self.rows)
         try:
-            step_rows([r.run.generation for r in rows])
+            if len(rows) == 1:
+                rows[0].run.generation.step()  # a lone row steps exactly as the serial path does
+            else:
+                _step_rows()([r.run.generation for r in rows])
         except Exception as e:  # every row shared the forward: none of them is trusted
             for r in rows:
                 self.rows.remove(r)
@@ -214,6 +217,12 @@ class BatchScheduler:
             eng.running.remove(job)
         eng._finish(job)
         job.events.put(final)
+
+
+def _step_rows():
+    from ..decode.batch import step_rows
+
+    return step_rows
 
 
 def _default_generate():
