@@ -95,6 +95,25 @@ def test_batched_rows_equal_solo_runs(mode):
         assert [g.accept_lengths for g in got] == [s.accept_lengths for s in solo]
 
 
+@pytest.mark.parametrize("mode", ["baseline", "lookup", "dspark"])
+def test_batched_rows_of_a_target_that_reads_its_context_equal_solo_runs(mode):
+    """As above, on a target whose output depends on its whole context (the shared fixture target
+    mostly repeats its last token, so a row that attended to another row's keys could go unseen)."""
+    from prefix_fixtures import context_pair
+
+    t, tok, d = context_pair()
+    assert batch.check(t, 4, 17) is None
+    prompts = _prompts(tok, 5)
+    budgets = [30, 9, 24, 17, 26]
+    kw = dict(drafter=d) if mode == "dspark" else {}
+    solo = [generate(t, tok, None, prompt_ids=p, mode=mode, max_new_tokens=n, **kw) for p, n in zip(prompts, budgets)]
+    got, widest = _batched(t, tok, d if mode == "dspark" else None, mode, prompts, budgets, [0, 0, 2, 4, 9])
+    assert widest >= 3
+    for s, g in zip(solo, got):
+        assert (g.tokens, g.text, g.finish_reason) == (s.tokens, s.text, s.finish_reason)
+    assert len({tuple(s.tokens) for s in solo}) == len(solo)  # distinct answers: each row read its own context
+
+
 def test_batched_dflash_and_stop_strings_equal_solo():
     t, tok, d = _pair(drafter="dflash_zlab")
     prompts = _prompts(tok, 4)
