@@ -13,6 +13,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -122,9 +124,12 @@ inline Tiles avx2_tiles() {
 }
 #endif
 
-// Picked once per process: AVX2 + FMA where the CPU has both.
+// Picked once per process: AVX2 + FMA where the CPU has both, unless MLX_DSPARK_CPU_ISA=portable
+// (tests run the portable tiles so; the two sets agree to rounding, not bitwise).
 inline const Tiles& tiles() {
   static const Tiles t = [] {
+    const char* isa = std::getenv("MLX_DSPARK_CPU_ISA");
+    if (isa && std::strcmp(isa, "portable") == 0) return portable_tiles();
 #ifdef DSPARK_X86
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2_tiles();
 #endif

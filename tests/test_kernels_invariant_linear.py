@@ -119,6 +119,8 @@ def test_native_cpu_kernels_on_odd_shapes_and_wide_calls(kernel, dtype, with_bia
     import numpy as np
 
     ext = native.ext(warn=False)
+    if os.environ.get("MLX_DSPARK_CPU_ISA"):  # the run of test_native_cpu_portable_tiles below
+        assert ext.invariant_linear_isa() == os.environ["MLX_DSPARK_CPU_ISA"]
     K, N = KN
     i = 100 + 10 * ODD_SHAPES.index(KN)
     w = rand((N, K), dtype, i, 0.05)
@@ -143,6 +145,23 @@ def test_native_cpu_kernels_on_odd_shapes_and_wide_calls(kernel, dtype, with_bia
         assert np.allclose(got, want, atol=tol * max(1.0, np.abs(want).max()), rtol=tol), (
             f"{kernel} {dtype} {KN}: max error {np.abs(got - want).max():.3g} (seed {SEED})"
         )
+
+
+@needs_native
+@pytest.mark.skipif(os.environ.get("MLX_DSPARK_CPU_ISA") is not None, reason="already the portable run")
+def test_native_cpu_portable_tiles():
+    """The portable tiles (what a CPU without AVX2 + FMA runs; forced by MLX_DSPARK_CPU_ISA): the
+    odd-shape test above in a process that picked them."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MLX_DSPARK_CPU_ISA="portable", MLX_DSPARK_TEST_SEED=str(SEED))
+    k = "odd_shapes_and_wide_calls and tiled"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", k],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
 
 @needs_native
