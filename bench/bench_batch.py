@@ -1,29 +1,41 @@
 """Continuous batching: aggregate throughput of B concurrent streams, batched against serial.
 
-What the server runs (serve/engine.py's Engine, in process, no HTTP): one engine with
---max-batch 1 (the serial path) and one with --max-batch 8 (serve/batch.py), same target, same
-drafter. For baseline and DSpark, and B = 1, 2, 4, 8: B chat requests (`--tokens` each, greedy)
-are submitted at once; aggregate tok/s = all completion tokens / wall time from the first submit
-to the last delivery (prefill included), and the same per CPU second of this process (the figure
-that other load on a shared machine disturbs least). The serial engine runs the 8 requests once,
-one after another, each timed alone; serial(B) is the sum over the first B (what B requests
-submitted at once take on it). Every batched answer is compared token for token with the serial
-one (mismatches must be 0). The lone request (B = 1) is timed --repeat times on each engine,
-alternately; the ratio of the best times is printed (target >= 0.98).
+What the server runs (serve/engine.py's Engine, in process, no HTTP): per mode (baseline,
+DSpark) one engine with --max-batch 1 (the serial path) and one with --max-batch max(B)
+(serve/batch.py), same target, same drafter. For B = 1, 2, 4, 8: B chat requests (`--tokens`
+each, greedy) are submitted at once; aggregate tok/s = all completion tokens / wall time from the
+first submit to the last delivery (prefill included), and the same per CPU second of this process
+(the figure that other load on a shared machine disturbs least). The serial engine runs the
+max(B) requests once, one after another, each timed alone; serial(B) is the sum over the first B
+(what B requests submitted at once take on it). Every batched answer is compared with the serial
+one, token ids AND text (mismatches must be 0). The lone request (B = 1) is timed --repeat times
+on each engine, alternately; the ratio of the best times is printed (target >= 0.98), with the
+scheduler's own time per step of a lone row (measured on a stub generation).
+
+One run prints every figure of the issue's bars: batched / serial per mode and B, batched DSpark
+/ batched baseline per B, the lone request, mismatches. `--budget-s S` keeps the whole run
+(load and warm-up included: MLX CUDA JIT-compiles on first use) under S seconds: after the
+warm-up it measures each mode's serial speed, then cuts --repeat, then --tokens (never below
+16), so that the planned work fits, and says so; a phase that would still start past the budget
+is skipped and named. `--out F` appends the report (markdown) to F.
 
     PYTHONPATH=python python bench/bench_batch.py [--model M] [--dtype float32] [--tokens 128]
-        [--batches 1,2,4,8] [--modes baseline,dspark] [--repeat 3]
+        [--batches 1,2,4,8] [--modes baseline,dspark] [--repeat 3] [--budget-s S] [--out F]
 
 CPU: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 --dtype float32.
-CUDA: MLX_DSPARK_DEMO_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf MLX_DSPARK_OFFLINE=1 (no network).
+CUDA (bench/h200_invariance.sh batch): --dtype bfloat16, MLX_DSPARK_DEMO_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf
+MLX_DSPARK_OFFLINE=1 (no network).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
-from pathlib import Path
+
+T_START = time.perf_counter()  # the budget counts from here: imports, load and warm-up included
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _package  # noqa: E402,F401  (the installed mlx_dspark, else python/)
@@ -40,6 +52,8 @@ PROMPTS = [
     "Explain the rules of chess to a beginner, covering every piece and special move.",
     "Write an essay on why sleep matters for health, with practical advice.",
 ]
+MIN_TOKENS = 16
+SLACK = 1.25  # planned seconds = measured cost x SLACK (prefills, thread hand-offs, noise)
 
 
 def _engine(target, tok, mode, drafter, max_batch):
@@ -71,6 +85,77 @@ def _tokens(job) -> list[int]:
     return list(job.outcome.result.tokens)
 
 
+def _text(job) -> str:
+    return job.outcome.result.text
+
+
+def scheduler_overhead_us(steps: int = 2000) -> float:
+    """The batch scheduler's own time per step of a lone row (µs): its admit/step/after-step loop
+    around a stub generation whose step() does nothing."""
+    import queue
+
+    from mlx_dspark.serve.batch import BatchScheduler, _Row
+
+    class Gen:
+        prefilled, done, n = True, False, 0
+
+        def step(self):
+            self.n += 1
+            self.done = self.n >= steps
+
+    class Run:
+        generation, cancel_check = Gen(), staticmethod(lambda: False)
+
+    class Eng:
+        _queue, max_batch, metrics, max_kv_mb, running = queue.Queue(), 8, None, None, []
+
+    sched = BatchScheduler(Eng())
+    row = _Row(None, Run(), [""], 0.0)
+    sched.rows.append(row)
+    sched._deliver = lambda r: None  # the stub has nothing to deliver
+    t0 = time.perf_counter()
+    while sched.rows:
+        sched._admit()
+        sched._step()
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+class Plan:
+    """The budget: a deadline, and the tokens and repeats that fit it."""
+
+    def __init__(self, budget_s: float, t0: float):
+        self.deadline = t0 + budget_s if budget_s > 0 else float("inf")
+        self.notes: list[str] = []
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def fit(self, tokens: int, repeat: int, n_serial: int, n_batched: int, tps: dict) -> tuple[int, int]:
+        """Tokens and repeats for which every mode's serial runs, batched runs (costed at serial
+        speed, an upper bound) and lone repeats fit what is left of the budget."""
+
+        def cost(t, r):
+            return SLACK * sum((n_serial + n_batched + 2 * r) * t / max(v, 1e-6) for v in tps.values())
+
+        t, r = tokens, repeat
+        while r > 1 and cost(t, r) > self.left():
+            r -= 1
+        while t > MIN_TOKENS and cost(t, r) > self.left():
+            t = max(MIN_TOKENS, int(t * 0.8))
+        if (t, r) != (tokens, repeat):
+            self.notes.append(
+                f"budget: --tokens {tokens} -> {t}, --repeat {repeat} -> {r} to fit {self.left():.0f} s left "
+                f"(serial {', '.join(f'{m} {v:.1f}' for m, v in tps.items())} tok/s after warm-up)"
+            )
+        return t, r
+
+    def allows(self, what: str, est_s: float) -> bool:
+        if time.perf_counter() + est_s <= self.deadline:
+            return True
+        self.notes.append(f"budget: skipped {what} (needs ~{est_s:.0f} s, {max(self.left(), 0):.0f} s left)")
+        return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -79,55 +164,116 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--modes", default="baseline,dspark")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=0.0, help="the whole run's wall-clock budget (0: none)")
+    ap.add_argument("--out", default=None, help="append the report (markdown) to this file")
     args = ap.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
-    T0 = time.perf_counter()
+    T0 = T_START
+    plan = Plan(args.budget_s, T0)
+    batches = sorted({int(b) for b in args.batches.split(",")})
+    modes = [m for m in args.modes.split(",") if m]
+    report: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        report.append(line)
+
     model, target, tok = load_bench_target(args.model, args.dtype)
     from mlx_dspark.api import drafter_for, encode_prompt
     from mlx_dspark.decode import batch
 
     prompts = [encode_prompt(tok, p) for p in PROMPTS][: max(batches)]
-    print(f"# bench_batch: {model} ({args.dtype or 'default dtype'}); {device_stamp()}")
-    print(f"# decode path {target.invariance}; batch check: {batch.check(target, max(batches), 17) or 'rows equal'}")
-    lens = f"{min(map(len, prompts))}-{max(map(len, prompts))}"
-    print(f"# {len(prompts)} chat prompts of {lens} tokens, {args.tokens} tokens each")
-    print("| mode | B | serial tok/s | batched tok/s | batched / serial (wall) | (CPU time) | mismatches |")
-    print("|---|---|---|---|---|---|---|")
-    lone = {}
-    for mode in args.modes.split(","):
-        drafter = drafter_for(target, mode) if mode in ("dspark", "dflash") else None
-        serial = _engine(target, tok, mode, drafter, 1)
-        batched = _engine(target, tok, mode, drafter, max(batches))
-        _run(serial, prompts[:2], 8)  # untimed: first-use costs (kernel compiles, new widths)
-        _run(batched, prompts, 8)
-        runs = [_run(serial, [p], args.tokens) for p in prompts]  # each request alone, one after another
-        sjobs = [r[2][0] for r in runs]
+    say(f"## bench_batch: {Path(str(model)).name} ({args.dtype or 'default dtype'}); {device_stamp()}")
+    say(
+        f"decode path {target.invariance}; batch check: {batch.check(target, max(batches), 17) or 'rows equal'}; "
+        f"load {time.perf_counter() - T0:.1f} s"
+    )
+
+    engines, drafters = {}, {}
+    for mode in modes:
+        drafters[mode] = drafter_for(target, mode) if mode in ("dspark", "dflash") else None
+        engines[mode] = (
+            _engine(target, tok, mode, drafters[mode], 1),
+            _engine(target, tok, mode, drafters[mode], max(batches)),
+        )
+    # Warm-up (untimed): first-use costs (kernel compiles, each batch width), then each mode's serial speed.
+    tps = {}
+    for mode, (serial, batched) in engines.items():
+        _run(serial, prompts[:1], MIN_TOKENS)
         for B in batches:
-            wall, cpu, bjobs = _run(batched, prompts[:B], args.tokens)
+            _run(batched, prompts[:B], MIN_TOKENS)
+        wall, _, jobs = _run(serial, prompts[1:2] or prompts[:1], MIN_TOKENS)
+        tps[mode] = sum(len(_tokens(j)) for j in jobs) / wall
+    say(f"warm-up done at {time.perf_counter() - T0:.0f} s")
+    tokens, repeat = plan.fit(args.tokens, args.repeat, len(prompts), sum(batches), tps)
+    lens = f"{min(map(len, prompts))}-{max(map(len, prompts))}"
+    say(f"{len(prompts)} chat prompts of {lens} tokens, {tokens} tokens each, greedy")
+    say()
+    say(
+        "| mode | B | serial tok/s | batched tok/s | batched / serial (wall) | (CPU time) "
+        "| token mismatches | text mismatches |"
+    )
+    say("|---|---|---|---|---|---|---|---|")
+    agg: dict = {}  # (mode, B) -> batched tok/s
+    lone: dict = {}
+    mismatches = 0
+    for mode, (serial, batched) in engines.items():
+        est = SLACK * len(prompts) * tokens / tps[mode]
+        if not plan.allows(f"{mode}: the serial runs", est):
+            continue
+        runs = [_run(serial, [p], tokens) for p in prompts]  # each request alone, one after another
+        sjobs = [r[2][0] for r in runs]
+        s_tps = sum(len(_tokens(j)) for j in sjobs) / sum(r[0] for r in runs)
+        for B in batches:
+            if not plan.allows(f"{mode} B={B}", SLACK * B * tokens / s_tps):
+                continue
+            wall, cpu, bjobs = _run(batched, prompts[:B], tokens)
             n = sum(len(_tokens(j)) for j in bjobs)
-            mism = sum(_tokens(a) != _tokens(b) for a, b in zip(bjobs, sjobs[:B]))
+            tok_bad = sum(_tokens(a) != _tokens(b) for a, b in zip(bjobs, sjobs[:B]))
+            text_bad = sum(_text(a) != _text(b) for a, b in zip(bjobs, sjobs[:B]))
+            mismatches += tok_bad + text_bad
             s_wall, s_cpu = sum(r[0] for r in runs[:B]), sum(r[1] for r in runs[:B])
-            print(
+            agg[mode, B] = n / wall
+            say(
                 f"| {mode} | {B} | {n / s_wall:.1f} | {n / wall:.1f} | {s_wall / wall:.2f}x | "
-                f"{s_cpu / cpu:.2f}x | {mism} |",
-                flush=True,
+                f"{s_cpu / cpu:.2f}x | {tok_bad} | {text_bad} |"
             )
         best = {"serial": ([], []), "batched": ([], [])}
-        for _ in range(max(args.repeat, 1)):  # the lone request, alternately on each engine
+        for i in range(max(repeat, 1)):  # the lone request, alternately on each engine
+            if not plan.allows(f"{mode}: lone repeat {i + 1}", SLACK * 2 * tokens / s_tps):
+                break
             for name, eng in (("serial", serial), ("batched", batched)):
-                wall, cpu, _ = _run(eng, prompts[:1], args.tokens)
+                wall, cpu, _ = _run(eng, prompts[:1], tokens)
                 best[name][0].append(wall)
                 best[name][1].append(cpu)
-        lone[mode] = [min(best["serial"][i]) / min(best["batched"][i]) for i in (0, 1)]
+        if best["batched"][0]:
+            lone[mode] = [min(best["serial"][i]) / min(best["batched"][i]) for i in (0, 1)] + [len(best["serial"][0])]
+    for serial, batched in engines.values():
         serial.stop()
         batched.stop()
-    for mode, (rw, rc) in lone.items():
-        print(
-            f"# lone request, {mode}: batched engine / serial engine speed = {rw:.3f}x wall, {rc:.3f}x CPU time "
-            f"(best of {args.repeat} each)"
+
+    base, spec = "baseline", next((m for m in modes if m != "baseline"), None)
+    if spec and any((base, B) in agg and (spec, B) in agg for B in batches):
+        say()
+        say(f"| B | batched {base} tok/s | batched {spec} tok/s | batched {spec} / batched {base} |")
+        say("|---|---|---|---|")
+        for B in batches:
+            if (base, B) in agg and (spec, B) in agg:
+                say(f"| {B} | {agg[base, B]:.1f} | {agg[spec, B]:.1f} | {agg[spec, B] / agg[base, B]:.2f}x |")
+    say()
+    for mode, (rw, rc, n) in lone.items():
+        say(
+            f"lone request, {mode}: batched engine / serial engine speed = {rw:.3f}x wall, {rc:.3f}x CPU time "
+            f"(best of {n} each; target >= 0.98)"
         )
-    print(f"# total {time.perf_counter() - T0:.0f} s")
-    return 0
+    say(f"the scheduler's own time per step of a lone row: {scheduler_overhead_us():.1f} µs")
+    say(f"mismatches (token ids or text, batched against serial): {mismatches}")
+    for note in plan.notes:
+        say(note)
+    say(f"total {time.perf_counter() - T0:.0f} s" + (f" (budget {args.budget_s:.0f} s)" if args.budget_s else ""))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(report) + "\n\n")
+    return 1 if mismatches else 0
 
 
 if __name__ == "__main__":
