@@ -10,6 +10,7 @@
 #   bash bench/h200_invariance.sh cost                  # bench_invariance_cost.py per PRECISIONS
 #   bash bench/h200_invariance.sh profile               # host time per decode step (profile_invariant_host.py)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
+#   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
 #
 # The carry set 'inv' (.device-carry/inv/cNN, CHUNK_MB=35, staged with shared/tools/device-carry/pack.sh):
 #   wheels/   mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0
@@ -72,6 +73,11 @@ for step in "$@"; do
     done ;;
   replay)
     python3 bench/bench_hybrid_replay.py --out "$OUT/hybrid-replay.md" 2>&1 | tail -30; el ;;
+  batch)
+    python3 bench/bench_batch.py --dtype "${BATCH_DTYPE:-bfloat16}" --budget-s "${BATCH_BUDGET:-165}" \
+      --out "$OUT/batch-h200.md" 2>&1 | tail -30; el
+    python3 bench/bench_prefix_cache.py --dtype "${BATCH_DTYPE:-bfloat16}" --rounds 2 --budget-s "${PREFIX_BUDGET:-65}" \
+      --prompts "$C/eval" --out "$OUT/batch-h200.md" 2>&1 | tail -8; el ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
 done
