@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <sstream>
@@ -150,8 +151,47 @@ class Pool {
 };
 
 template <typename T>
-void to_float(const T* src, float* dst, int64_t n) {
+void to_float_portable(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// float16 and bfloat16 widen to float exactly, so a vector conversion gives the same floats.
+#ifdef DSPARK_X86
+__attribute__((target("avx2,f16c"))) void f16_to_float_f16c(const void* src, float* dst, int64_t n) {
+  const auto* h = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(h[i]);
+}
+
+__attribute__((target("avx2"))) void bf16_to_float_avx2(const void* src, float* dst, int64_t n) {
+  const auto* h = static_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(h[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+#endif
+
+template <typename T>
+void to_float(const T* src, float* dst, int64_t n) {
+  static_assert(sizeof(T) == 2 || std::is_same_v<T, float>);
+#ifdef DSPARK_X86
+  if constexpr (std::is_same_v<T, mx::float16_t>) {
+    static const bool f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    if (f16c) return f16_to_float_f16c(src, dst, n);
+  } else if constexpr (std::is_same_v<T, mx::bfloat16_t>) {
+    static const bool avx2 = __builtin_cpu_supports("avx2");
+    if (avx2) return bf16_to_float_avx2(src, dst, n);
+  }
+#endif
+  to_float_portable(src, dst, n);
 }
 
 // x as float once (a no-op view for float32).

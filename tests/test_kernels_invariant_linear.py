@@ -110,12 +110,13 @@ WIDE = (1, 2, 3, 4, 5, 7, 8, 16, 17, 32, 33, 34)
 
 @needs_native
 @pytest.mark.parametrize("kernel", ["tiled", "rows"])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("KN", ODD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_native_cpu_kernels_on_odd_shapes_and_wide_calls(kernel, dtype, with_bias, KN):
     """Both CPU kernels: every row of an M-row call (M up to 34, at offsets 0 and the last)
-    equals the row alone bitwise, and the product is the float64 one within float tolerance."""
+    equals the row alone bitwise, a half-precision call is the float32 call on the widened inputs
+    (rounded once), and the product is the float64 one within float tolerance."""
     import numpy as np
 
     ext = native.ext(warn=False)
@@ -138,6 +139,10 @@ def test_native_cpu_kernels_on_odd_shapes_and_wide_calls(kernel, dtype, with_bia
                     assert mx.array_equal(rows[r], ones[at + r][0]).item(), (
                         f"{kernel} {dtype} {KN}: row {r} of a {M}-row call at {at} (seed {SEED})"
                     )
+        if dtype != mx.float32:  # half inputs widen exactly: the float32 call on the widened values, rounded once
+            f32 = lambda a: None if a is None else a.astype(mx.float32)  # noqa: E731
+            widened = ext.invariant_linear(f32(x), f32(w), f32(b), kernel=kernel).astype(dtype)
+            assert mx.array_equal(fn(x), widened).item(), f"{kernel} {dtype} {KN}: not the widened float32 call"
         f64 = lambda a: np.array(a.astype(mx.float32)).astype(np.float64)  # noqa: E731
         want = f64(x) @ f64(w).T + (f64(b) if with_bias else 0.0)
         got = f64(fn(x))
