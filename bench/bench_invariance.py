@@ -124,11 +124,12 @@ def main() -> int:
     same = {m: 0 for m in modes}
     first = {m: None for m in modes}
     tps = {m: [] for m in ["baseline"] + modes}
-    for label, text in prompts:
+    for i, (label, text) in enumerate(prompts):
         ids = md.encode_prompt(tok, text)
         base = run("baseline", ids)
         tps["baseline"].append(base.decode_tps)
         for m in modes:
+            print(f"  [{i + 1}/{len(prompts)}] {label} ({len(ids)} prompt tokens): {m}", file=sys.stderr, flush=True)
             r = run(m, ids)
             tps[m].append(r.decode_tps)
             if r.tokens == base.tokens and r.text == base.text:
