@@ -363,3 +363,35 @@ def test_a_distilled_dflash_drafter_registers_with_its_figures_and_command(train
     monkeypatch.setenv(registry.ENV, str(tmp_path / "nothing-here"))
     with pytest.raises(UserError, match="holds no pair.json"):
         registry.table()
+
+
+@pytest.mark.slow
+def test_bench_dflash_measures_checks_and_registers(trained, tmp_path, monkeypatch):
+    """bench/bench_dflash.py (what the device script runs after training): acceptance per eval
+    domain, each prompt checked against plain greedy on tokens and text, and --register writes
+    the pair.json that the registry then reads, with these figures and this command."""
+    import importlib.util
+
+    from mlx_dspark.models import registry
+
+    rule, root = trained
+    drafter = tmp_path / "d"
+    shutil.copytree(root / "x", drafter)
+    evald = tmp_path / "eval"
+    evald.mkdir()
+    for dom, texts in {"humaneval": ["def f(x): return x", "Sort a list."], "mt-bench": ["Tell me a story."]}.items():
+        (evald / f"{dom}.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in texts))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))  # (its _package import)
+    spec = importlib.util.spec_from_file_location("bench_dflash", Path(__file__).parents[1] / "bench/bench_dflash.py")
+    bd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bd)
+    args = ["--model", str(rule), "--drafter", str(drafter), "--eval-dir", str(evald), "--domains", "humaneval"]
+    args += ["mt-bench", "--samples", "2", "--max-new-tokens", "24", "--json", str(tmp_path / "a.json"), "--register"]
+    assert bd.main(args) == 0
+    res = json.loads((tmp_path / "a.json").read_text())["result"]
+    assert res["_all"]["prompts"] == 3 and res["_all"]["lossless"] == 3 and res["humaneval"]["prompts"] == 2
+    assert res["_all"]["mean_accept"] > 1.2  # the trained drafter's drafts land on these prompts too
+    pair = registry.read_pair_file(drafter)
+    assert pair.measured.startswith("CPU float32: accept ") and "lossless on all 3" in pair.measured
+    assert f"{res['humaneval']['mean_accept']:.2f} humaneval" in pair.measured
+    assert pair.reproduce.startswith("python ") and "--drafter" in pair.reproduce and pair.kind == "dflash"

@@ -163,10 +163,11 @@ def run_distill(
         meta["init_from"] = str(cfg.init_from)
         if cfg.init_layers is not None and cfg.init_layers < cfg.layers:
             meta["grown_from_layers"] = cfg.init_layers
-    summary = train(target, tokenizer, samples, cfg, out, resume=opts.resume, meta=meta, on_step=on_step, log=say)
     from ..models.draft_vocab import write_ranking
 
-    write_ranking(out, (s.ids[s.n_prompt :] for s in samples))  # the tokens the target answers with
+    # The tokens the target answers with (written first: a run stopped mid-training ships it too).
+    write_ranking(out, (s.ids[s.n_prompt :] for s in samples))
+    summary = train(target, tokenizer, samples, cfg, out, resume=opts.resume, meta=meta, on_step=on_step, log=say)
     summary["generate_s"] = round(t_gen, 1)
     ship = out
     if opts.export:
