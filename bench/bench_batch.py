@@ -16,8 +16,10 @@ One run prints every figure of the issue's bars: batched / serial per mode and B
 / batched baseline per B, the lone request, mismatches. `--budget-s S` keeps the whole run
 (load and warm-up included: MLX CUDA JIT-compiles on first use) under S seconds: after the
 warm-up it measures each mode's serial speed, then cuts --repeat, then --tokens (never below
-16), so that the planned work fits, and says so; a phase that would still start past the budget
-is skipped and named. `--out F` appends the report (markdown) to F.
+16), so that the planned work fits, and says so; a phase that would still end past the budget
+is skipped and named. Phases run serial (every mode), then batched B = 4 first, each B for every
+mode before the next, then the lone request, so a short budget keeps the bars' figures.
+`--out F` appends the report (markdown) to F, line by line.
 
     PYTHONPATH=python python bench/bench_batch.py [--model M] [--dtype float32] [--tokens 128]
         [--batches 1,2,4,8] [--modes baseline,dspark] [--repeat 3] [--budget-s S] [--out F]
@@ -90,7 +92,7 @@ def _text(job) -> str:
 
 
 def scheduler_overhead_us(steps: int = 2000) -> float:
-    """The batch scheduler's own time per step of a lone row (µs): its admit/step/after-step loop
+    """The batch scheduler's own time per step of a lone row (microseconds): its admit/step/after-step loop
     around a stub generation whose step() does nothing."""
     import queue
 
@@ -130,9 +132,9 @@ class Plan:
     def left(self) -> float:
         return self.deadline - time.perf_counter()
 
-    def fit(self, tokens: int, repeat: int, n_serial: int, n_batched: int, tps: dict) -> tuple[int, int]:
-        """Tokens and repeats for which every mode's serial runs, batched runs (costed at serial
-        speed, an upper bound) and lone repeats fit what is left of the budget."""
+    def fit(self, tokens: int, repeat: int, n_serial: int, n_batched: float, tps: dict) -> tuple[int, int]:
+        """Tokens and repeats for which every mode's serial runs, batched runs (B rows costed as
+        max(1, B / 2) serial requests) and lone repeats fit what is left of the budget."""
 
         def cost(t, r):
             return SLACK * sum((n_serial + n_batched + 2 * r) * t / max(v, 1e-6) for v in tps.values())
@@ -171,11 +173,12 @@ def main(argv=None) -> int:
     plan = Plan(args.budget_s, T0)
     batches = sorted({int(b) for b in args.batches.split(",")})
     modes = [m for m in args.modes.split(",") if m]
-    report: list[str] = []
 
     def say(line: str = "") -> None:
         print(line, flush=True)
-        report.append(line)
+        if args.out:  # line by line: a run cut short by a time limit keeps what it measured
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
 
     model, target, tok = load_bench_target(args.model, args.dtype)
     from mlx_dspark.api import drafter_for, encode_prompt
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
         wall, _, jobs = _run(serial, prompts[1:2] or prompts[:1], MIN_TOKENS)
         tps[mode] = sum(len(_tokens(j)) for j in jobs) / wall
     say(f"warm-up done at {time.perf_counter() - T0:.0f} s")
-    tokens, repeat = plan.fit(args.tokens, args.repeat, len(prompts), sum(batches), tps)
+    tokens, repeat = plan.fit(args.tokens, args.repeat, len(prompts), sum(max(1.0, B / 2) for B in batches), tps)
     lens = f"{min(map(len, prompts))}-{max(map(len, prompts))}"
     say(f"{len(prompts)} chat prompts of {lens} tokens, {tokens} tokens each, greedy")
     say()
@@ -216,17 +219,20 @@ def main(argv=None) -> int:
     agg: dict = {}  # (mode, B) -> batched tok/s
     lone: dict = {}
     mismatches = 0
-    for mode, (serial, batched) in engines.items():
-        est = SLACK * len(prompts) * tokens / tps[mode]
-        if not plan.allows(f"{mode}: the serial runs", est):
-            continue
-        runs = [_run(serial, [p], tokens) for p in prompts]  # each request alone, one after another
-        sjobs = [r[2][0] for r in runs]
-        s_tps = sum(len(_tokens(j)) for j in sjobs) / sum(r[0] for r in runs)
-        for B in batches:
-            if not plan.allows(f"{mode} B={B}", SLACK * B * tokens / s_tps):
+    serial_runs: dict = {}  # mode -> [(wall, cpu, [Job])], each request alone
+    s_tps: dict = {}
+    for mode, (serial, _) in engines.items():  # phase 1: the serial runs of every mode
+        if plan.allows(f"{mode}: the serial runs", SLACK * len(prompts) * tokens / tps[mode]):
+            runs = serial_runs[mode] = [_run(serial, [p], tokens) for p in prompts]
+            s_tps[mode] = sum(len(_tokens(r[2][0])) for r in runs) / sum(r[0] for r in runs)
+    # Phase 2: batched, B = 4 first (the issue's bar), each B for every mode before the next B.
+    for B in sorted(batches, key=lambda b: (b != 4, b)):
+        for mode in serial_runs:
+            if not plan.allows(f"{mode} B={B}", SLACK * B * tokens / s_tps[mode]):
                 continue
-            wall, cpu, bjobs = _run(batched, prompts[:B], tokens)
+            runs = serial_runs[mode]
+            sjobs = [r[2][0] for r in runs]
+            wall, cpu, bjobs = _run(engines[mode][1], prompts[:B], tokens)
             n = sum(len(_tokens(j)) for j in bjobs)
             tok_bad = sum(_tokens(a) != _tokens(b) for a, b in zip(bjobs, sjobs[:B]))
             text_bad = sum(_text(a) != _text(b) for a, b in zip(bjobs, sjobs[:B]))
@@ -237,11 +243,12 @@ def main(argv=None) -> int:
                 f"| {mode} | {B} | {n / s_wall:.1f} | {n / wall:.1f} | {s_wall / wall:.2f}x | "
                 f"{s_cpu / cpu:.2f}x | {tok_bad} | {text_bad} |"
             )
+    for mode in serial_runs:  # phase 3: the lone request, alternately on each engine
         best = {"serial": ([], []), "batched": ([], [])}
-        for i in range(max(repeat, 1)):  # the lone request, alternately on each engine
-            if not plan.allows(f"{mode}: lone repeat {i + 1}", SLACK * 2 * tokens / s_tps):
+        for i in range(max(repeat, 1)):
+            if not plan.allows(f"{mode}: lone repeat {i + 1}", SLACK * 2 * tokens / s_tps[mode]):
                 break
-            for name, eng in (("serial", serial), ("batched", batched)):
+            for name, eng in zip(("serial", "batched"), engines[mode]):
                 wall, cpu, _ = _run(eng, prompts[:1], tokens)
                 best[name][0].append(wall)
                 best[name][1].append(cpu)
@@ -265,14 +272,12 @@ def main(argv=None) -> int:
             f"lone request, {mode}: batched engine / serial engine speed = {rw:.3f}x wall, {rc:.3f}x CPU time "
             f"(best of {n} each; target >= 0.98)"
         )
-    say(f"the scheduler's own time per step of a lone row: {scheduler_overhead_us():.1f} µs")
+    say(f"the scheduler's own time per step of a lone row: {scheduler_overhead_us():.1f} us")
     say(f"mismatches (token ids or text, batched against serial): {mismatches}")
     for note in plan.notes:
         say(note)
     say(f"total {time.perf_counter() - T0:.0f} s" + (f" (budget {args.budget_s:.0f} s)" if args.budget_s else ""))
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n".join(report) + "\n\n")
+    say()
     return 1 if mismatches else 0
 
 

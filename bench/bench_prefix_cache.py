@@ -112,11 +112,12 @@ def main() -> int:
 
     deadline = T_START + args.budget_s if args.budget_s > 0 else float("inf")
     where, target, tok = load_bench_target(args.model, args.dtype)
-    report: list[str] = []
 
     def say(line: str = "") -> None:
         print(line, flush=True)
-        report.append(line)
+        if args.out:  # line by line: a run cut short by a time limit keeps what it measured
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
 
     say(f"## bench_prefix_cache: {Path(str(where)).name} ({args.dtype or 'default dtype'}); {device_stamp()}")
     say(f"decode path {target.invariance}; mode {args.mode}; {args.max_tokens} new tokens per turn")
@@ -165,9 +166,7 @@ def main() -> int:
         f"{min(warm) * 1000:.0f} ms: **{min(cold) / min(warm):.1f}x** (target >= 10x)"
     )
     say(f"same answer on both servers: {'yes' if same else 'NO'}; total {time.perf_counter() - T_START:.0f} s")
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n".join(report) + "\n\n")
+    say()
     return 0 if same else 1
 
 
