@@ -3,9 +3,11 @@
 # on the H200 (MLX CUDA) within one call's time budget, then measured on eval prompts.
 #
 #   BUDGET=460 bash bench/h200_distill_dflash.sh setup run     # one device call (timeout_s >= BUDGET + 60)
+#   BUDGET=460 bash bench/h200_distill_dflash.sh more          # (same warm machine) train on, from the last
+#                                                              # export, on the same answers; measure again
 #
 # `run` does, each step bounded in time (a cut step leaves what it made; the next one goes on):
-#   1. the target (demo GGUF, bf16) answers the train/ prompts for GEN_FRAC of BUDGET
+#   1. the target (demo GGUF, bf16) answers the train/ prompts (only those) for GEN_FRAC of BUDGET
 #      (`distill --steps 0 --gen-seconds`: samples.jsonl);
 #   2. `distill --kind dflash` trains on those answers for TRAIN_FRAC of BUDGET (`--train-seconds`
 #      fits the steps after the first 25; an outer `timeout` stops it with SIGTERM, state saved,
@@ -47,7 +49,7 @@ left() { echo $(( BUDGET - $(el) )); }
 ARCH=${ARCH:-"--kind dflash --layers ${LAYERS:-3} --intermediate-size 1024"}
 TRAIN=${TRAIN:-"--batch-size 16 --anchors 64 --lr 6e-4 --warmup-ratio 0.04 --train-vocab auto"}
 DATA_OPTS="--model $GGUF --dtype $DTYPE --answer-tokens ${ANSWER_TOKENS:-256} --gen-batch-size ${GEN_BATCH:-768} \
- --temperature ${TEMP:-0.3} --top-p 0.9 ${MAX_PROMPTS:+--max-train-prompts $MAX_PROMPTS}"
+ --temperature ${TEMP:-0.3} --top-p 0.9 --no-builtin-prompts ${MAX_PROMPTS:+--max-train-prompts $MAX_PROMPTS}"
 
 prompts() {
   local d=$C/train
@@ -55,6 +57,29 @@ prompts() {
     d=/tmp/dflash_prompts/train; mkdir -p /tmp/dflash_prompts && tar -xzf "$C/train.tar.gz" -C /tmp/dflash_prompts
   fi
   ls "$d"/*.jsonl 2>/dev/null | tr '\n' ' '
+}
+
+finish() {  # 3. and 4. for the drafter trained in $1
+  local R=$1
+  cp "$R/train_log.jsonl" "$OUT/" 2>/dev/null
+  [ -f "$R/model.safetensors" ] || { echo "no drafter was written"; tail -20 "$OUT/distill-train.log"; return 1; }
+  rm -rf "$W.x"; mkdir -p "$OUT/drafter"
+  # 3. the compact bf16 copy
+    python3 -m mlx_dspark.train.export "$R" "$W.x"
+    echo "export rc=$? at $(el)s" | tee -a "$OUT/timings"
+    cp "$W.x"/config.json "$OUT/drafter/"; cp "$W.x"/draft_vocab.json "$OUT/drafter/" 2>/dev/null
+  # 4. acceptance on eval prompts, lossless checked, for the rest of the budget
+    EV=$(( $(left) - 25 )); [ $EV -lt 30 ] && EV=30
+    timeout $(( EV + 60 )) python3 bench/bench_dflash.py --model "$GGUF" --dtype $DTYPE --drafter "$W.x" \
+      --eval-dir "$C/eval" --samples ${SAMPLES:-10} --max-new-tokens ${EVAL_TOKENS:-128} --seconds $EV \
+      --out "$OUT/report.md" --json "$OUT/accept.json" --register > "$OUT/bench-dflash.log" 2>&1
+    echo "accept rc=$? at $(el)s" | tee -a "$OUT/timings"
+    grep -E "^\| |^- " "$OUT/bench-dflash.log" | head -12
+    cp "$W.x/pair.json" "$OUT/drafter/" 2>/dev/null
+    split -b 15000000 -d "$W.x/model.safetensors" "$OUT/drafter/model.safetensors.part"
+    sha256sum "$W.x/model.safetensors" | tee "$OUT/drafter/model.sha256"
+    { echo; echo "## distill"; grep -hE "^distill:" "$OUT/distill-data.log" "$OUT/distill-train.log" 2>/dev/null | tail -8
+      echo; cat "$OUT/timings"; } >> "$OUT/report.md"
 }
 
 for step in "$@"; do
@@ -84,24 +109,20 @@ for step in "$@"; do
       --train-seconds $TRAIN_S $TRAIN --save-every 100 --no-eval > "$OUT/distill-train.log" 2>&1
     echo "train rc=$? at $(el)s" | tee -a "$OUT/timings"
     tr '\r' '\n' < "$OUT/distill-train.log" | grep -v "^$" | tail -3
-    cp "$W/train_log.jsonl" "$OUT/" 2>/dev/null
-    [ -f "$W/model.safetensors" ] || { echo "no drafter was written"; tail -20 "$OUT/distill-train.log"; exit 1; }
-    # 3. the compact bf16 copy
-    python3 -m mlx_dspark.train.export "$W" "$W.x"
-    echo "export rc=$? at $(el)s" | tee -a "$OUT/timings"
-    cp "$W.x"/config.json "$OUT/drafter/"; cp "$W.x"/draft_vocab.json "$OUT/drafter/" 2>/dev/null
-    # 4. acceptance on eval prompts, lossless checked, for the rest of the budget
-    EV=$(( $(left) - 25 )); [ $EV -lt 30 ] && EV=30
-    timeout $(( EV + 60 )) python3 bench/bench_dflash.py --model "$GGUF" --dtype $DTYPE --drafter "$W.x" \
-      --eval-dir "$C/eval" --samples ${SAMPLES:-10} --max-new-tokens ${EVAL_TOKENS:-128} --seconds $EV \
-      --out "$OUT/report.md" --json "$OUT/accept.json" --register > "$OUT/bench-dflash.log" 2>&1
-    echo "accept rc=$? at $(el)s" | tee -a "$OUT/timings"
-    grep -E "^\| |^- " "$OUT/bench-dflash.log" | head -12
-    cp "$W.x/pair.json" "$OUT/drafter/" 2>/dev/null
-    split -b 15000000 -d "$W.x/model.safetensors" "$OUT/drafter/model.safetensors.part"
-    sha256sum "$W.x/model.safetensors" | tee "$OUT/drafter/model.sha256"
-    { echo; echo "## distill"; grep -E "^distill:" "$OUT/distill-data.log" "$OUT/distill-train.log" | tail -8
-      echo; cat "$OUT/timings"; } >> "$OUT/report.md"
+    finish "$W" || exit 1
+    echo "done at $(el)s"
+    ;;
+  more)
+    # Another call's worth of training on the same answers: a warm start from the last export
+    # (--init-from: its architecture, its weights; a fresh warmup + cosine at LR_MORE), then 3. and 4.
+    P=$(prompts); N=$W.m$(date +%s); mkdir -p "$N" && cp "$W/samples.jsonl" "$N/" || exit 1
+    TRAIN_S=$(( BUDGET * ${MORE_FRAC:-70} / 100 ))
+    timeout $(( TRAIN_S + 40 )) python3 -m mlx_dspark distill $DATA_OPTS --kind dflash --init-from "$W.x" \
+      --prompts $P --out "$N" --steps 20000 --train-seconds $TRAIN_S ${TRAIN/--lr 6e-4/--lr ${LR_MORE:-3e-4}} \
+      --save-every 100 --no-eval > "$OUT/distill-train.log" 2>&1
+    echo "more rc=$? at $(el)s" | tee -a "$OUT/timings"
+    tr '\r' '\n' < "$OUT/distill-train.log" | grep -v "^$" | tail -3
+    finish "$N" || exit 1
     echo "done at $(el)s"
     ;;
   *) echo "unknown step $step"; exit 2 ;;
