@@ -125,12 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         f"draft vocabulary {info['draft_vocab']} tokens; {args.max_new_tokens} new tokens, greedy, "
         f"drafter drafts only; {time.time() - t0:.0f}s",
         "",
-        f"| domain | prompts | rounds | mean accept | lossless (tokens and text) |",
+        "| domain | prompts | rounds | mean accept | lossless (tokens and text) |",
         "|---|---|---|---|---|",
     ]
     for dom, r in res.items():
         name = "all (pooled)" if dom == "_all" else dom
-        lines.append(f"| {name} | {r['prompts']} | {r['rounds']} | {r['mean_accept']:.3f} | {r['lossless']}/{r['prompts']} |")
+        acc, ok = f"{r['mean_accept']:.3f}", f"{r['lossless']}/{r['prompts']}"
+        lines.append(f"| {name} | {r['prompts']} | {r['rounds']} | {acc} | {ok} |")
     lines.append("")
     for dom, bar in BARS.items():
         if dom in res:
@@ -144,9 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(record, indent=1))
     if args.register:
-        from mlx_dspark.models.registry import write_pair_file
-
         from mlx_dspark.models.drafters import target_dtype
+        from mlx_dspark.models.registry import write_pair_file
 
         first = device.split(";")[0]
         label = ("CPU" if "cpu" in first.lower() else first) + " " + str(target_dtype(target)).split(".")[-1]

@@ -7,14 +7,15 @@ instance itself."""
 
 from __future__ import annotations
 
+import kernel_text as kt
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-import kernel_text as kt
 from test_kernels_invariant_linear import MAX_M, QUANTS, assert_rows_invariant, quantized, rand
 
 import mlx_dspark as md
-from mlx_dspark.kernels import invariant, invariant_linear as il
+from mlx_dspark.kernels import invariant
+from mlx_dspark.kernels import invariant_linear as il
 
 
 def _fake_kernel(calls):

@@ -1,7 +1,8 @@
 """The width-invariant linear op (kernels/invariant_linear.py): the pure-MLX reference against MLX's
 own products, bitwise invariance of every path in the number of rows (row i of an M-row call ==
-the same row alone, M = 1..17; the CPU kernels also up to 34 rows on odd shapes), the GPU body run on CPU threads, compile checks of its Metal and
-CUDA instances (Linux, libclang), and (on the device, `pytest -m gpu`) the CUDA instance."""
+the same row alone, M = 1..17; the CPU kernels also up to 34 rows on odd shapes), the GPU body
+run on CPU threads, compile checks of its Metal and CUDA instances (Linux, libclang), and (on the
+device, `pytest -m gpu`) the CUDA instance."""
 
 from __future__ import annotations
 
@@ -164,7 +165,10 @@ def test_native_cpu_portable_tiles():
     k = "odd_shapes_and_wide_calls and tiled"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", k],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
 
@@ -234,9 +238,7 @@ def test_metal_instances_parse(dt, has_bias):
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
 def test_cuda_instances_parse(dt):
     parse, _, cuda_stub = _parse_tools()
-    src = kt.cuda_kernel_text(
-        il.instance("cuda", "dense"), [(dt, 2), (dt, 2), (dt, 1)], [dt], [("T", dt), ("HB", 1)]
-    )
+    src = kt.cuda_kernel_text(il.instance("cuda", "dense"), [(dt, 2), (dt, 2), (dt, 1)], [dt], [("T", dt), ("HB", 1)])
     assert parse(src, cuda_stub, f"il_cuda_{dt}") == []
     for bits in il.BITS:
         src = kt.cuda_kernel_text(

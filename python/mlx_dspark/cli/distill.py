@@ -82,7 +82,9 @@ def add_parser(sub) -> None:
         type=positive_int,
         help="drafter depth (default 2; with --init-from, the checkpoint's, or more: new layers start as identity)",
     )
-    a.add_argument("--block-size", type=positive_int, help="block slots (default 7; z-lab DFlash: 16, i.e. 15 drafts per round)")
+    a.add_argument(
+        "--block-size", type=positive_int, help="block slots (default 7; z-lab DFlash: 16, i.e. 15 drafts per round)"
+    )
     a.add_argument(
         "--taps",
         type=_taps,

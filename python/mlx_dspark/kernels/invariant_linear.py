@@ -87,6 +87,7 @@ _METAL_CTX = """  ds_ctx c;
   c.by = threadgroup_position_in_grid.y;
 """
 
+
 def _names(G: int, fmt: str) -> tuple[str, ...]:
     return tuple(fmt.format(g) for g in range(G))
 
@@ -105,7 +106,11 @@ def _call_source(kind: str, G: int) -> str:
     b = ", ".join(pick("b{}", g) for g in range(3))
     o = ", ".join(pick("o{}", g) for g in range(3))
     # x [..., K] as it comes (no reshape ops on the decode path): M = the product of the rest
-    rows = "  int M = 1;\n  for (int i = 0; i + 1 < (int)x_ndim; ++i) M *= x_shape[i];\n  const int K = x_shape[x_ndim - 1];\n"
+    rows = (
+        "  int M = 1;\n"
+        "  for (int i = 0; i + 1 < (int)x_ndim; ++i) M *= x_shape[i];\n"
+        "  const int K = x_shape[x_ndim - 1];\n"
+    )
     if kind == "dense":
         w = ", ".join(pick("w{}", g) for g in range(3))
         return rows + f"  ds_il_dense<T, {G}, HB>(c, x, {w}, {b}, {o}, M, w0_shape[0], {n}, K);\n"

@@ -264,7 +264,6 @@ def _disable(target) -> None:
 
 def _enable_kernels(target) -> None:
     from ..compat import route_causal_attention_to_invariant_op, route_linears_to_invariant_op
-
     from ..kernels import invariant_linear
 
     route_causal_attention_to_invariant_op()

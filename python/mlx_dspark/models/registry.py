@@ -134,7 +134,6 @@ _PUBLISHED: tuple[Pair, ...] = (
 )
 
 
-
 # ------------------------------------------------------------------- pair.json (our drafters)
 def read_pair_file(folder) -> Pair:
     """The Pair a drafter folder's pair.json registers (the drafter is the folder itself)."""

@@ -226,9 +226,7 @@ def _init_arch(cfg: DistillConfig, target) -> Path:
     except UserError as e:
         raise UserError(f"--init-from: {e}") from None
     if spec.packaging not in ("deepspec-dspark", "deepspec-dflash", "zlab-dflash"):
-        raise UserError(
-            f"--init-from {cfg.init_from}: a {spec.packaging} checkpoint cannot be trained further here"
-        )
+        raise UserError(f"--init-from {cfg.init_from}: a {spec.packaging} checkpoint cannot be trained further here")
     for key, read in _INIT_ARCH.items():
         have = read(spec)
         if key == "layout" and have is None:
