@@ -6,6 +6,8 @@
 #   bash bench/h200_invariance.sh ftests                # the forward-level GPU property tests (slow: JIT per config)
 #   bash bench/h200_invariance.sh diag                  # which ops move with the row; the path per precision and W
 #   bash bench/h200_invariance.sh identity              # bench_invariance.py per PRECISIONS
+#   bash bench/h200_invariance.sh convert identity-par  # each precision converted + self-checked once, one
+#                                                       # at a time (cached), then identity for all at once
 #   bash bench/h200_invariance.sh contrast              # the native forward (MLX_DSPARK_INVARIANT=off)
 #   bash bench/h200_invariance.sh cost                  # bench_invariance_cost.py per PRECISIONS
 #   bash bench/h200_invariance.sh profile               # host time per decode step (profile_invariant_host.py)
@@ -56,6 +58,21 @@ for step in "$@"; do
         --out "$OUT/identity.md" 2>&1 | tail -40
       el
     done ;;
+  convert)
+    for p in $PRECISIONS; do  # GGUF conversion, quantization and the self-check's compiles, alone
+      q=$([ "$p" = bf16 ] && echo None || echo "$p")
+      python3 -c "import mlx_dspark as md; md.load_target('$MLX_DSPARK_DEMO_GGUF', dtype='bfloat16', quantize=$q)" \
+        2>&1 | grep -v clean_up | tail -3
+      el
+    done ;;
+  identity-par)
+    for p in $PRECISIONS; do  # one process per precision, each with its progress in $OUT/identity-P.log
+      timeout "${ID_LIMIT:-540}" python3 bench/bench_invariance.py --precision "$p" --prompts "$C/eval" --n "$N" \
+        --tokens "$TOKENS" --out "$OUT/identity-$p.md" > "$OUT/identity-$p.log" 2>&1 &
+    done
+    wait
+    for p in $PRECISIONS; do grep -v clean_up "$OUT/identity-$p.log" | tail -8; done
+    el ;;
   contrast)
     for p in ${CONTRAST:-bf16}; do
       MLX_DSPARK_INVARIANT=off python3 bench/bench_invariance.py --precision "$p" --prompts "$C/eval" --n "${CN:-10}" \
