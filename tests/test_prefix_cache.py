@@ -1,5 +1,7 @@
 """The prefix cache: a warm run equals a cold run, token for token and in text, through slots,
-evictions, spills to disk and restarts; stale or corrupt entries are never trusted."""
+evictions, spills to disk and restarts; stale or corrupt entries are never trusted. The prefill's
+chunk grid is lowered to GRID so that these short prompts have whole chunks to reuse (an entry
+keeps only a prompt's whole chunks of the grid; tests/test_prefix_cache_bitwise.py says why)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,28 @@ import json
 import tempfile
 
 from drafter_fixtures import target, workspace
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prefix_fixtures import context_pair
 
 from mlx_dspark.api import encode_prompt, generate
+from mlx_dspark.decode import loop
 from mlx_dspark.models.drafters import load_drafter
-from mlx_dspark.serve.prefix_cache import PrefixCache
+from mlx_dspark.serve.prefix_cache import FORMAT, PrefixCache
 
+GRID = 4
 _D: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def small_grid(monkeypatch):
+    monkeypatch.setattr(loop, "PREFILL_CHUNK", GRID)
+
+
+def _whole_chunks(prompt) -> int:
+    """The positions of a prompt an entry keeps: its whole chunks of the grid, the last token excluded."""
+    return (len(prompt) - 1) // GRID * GRID
 
 
 def _pair():
@@ -65,6 +80,7 @@ def test_warm_equals_cold(turns, slots, spill, tiny_ram):
     assert pc.enabled, pc.off_reason
     start = encode_prompt(tok, "the fox and the weather")
     convs = [list(start) for _ in range(3)]
+    asked = [list(start) for _ in range(3)]  # each conversation's last prompt
     previous = None
     for which, user, mode, n, restart in turns:
         if restart:
@@ -77,9 +93,11 @@ def test_warm_equals_cold(turns, slots, spill, tiny_ram):
         # The newest entry is this conversation's: a hit, unless this mode taps hidden states
         # (dspark) that the entry, written by a mode without taps, does not hold.
         if previous is not None and previous[0] == which and not restart and (mode != "dspark" or previous[1] == mode):
-            assert warm.cached_tokens >= len(convs[which]) - 1, (warm.cached_tokens, len(convs[which]))
+            assert warm.cached_tokens >= _whole_chunks(asked[which]), (warm.cached_tokens, len(asked[which]))
+        assert warm.cached_tokens % GRID == 0
         previous = (which, mode)
         convs[which] = ids + warm.tokens
+        asked[which] = ids
 
 
 def test_a_follow_up_turn_reuses_the_conversation():
@@ -90,8 +108,9 @@ def test_a_follow_up_turn_reuses_the_conversation():
     assert first.cached_tokens == 0 and pc.stats["misses"] == 1
     follow = ids + first.tokens + [40, 41, 42]
     second = _run(t, tok, d, follow, "dspark", 10, pc)
-    assert second.cached_tokens >= len(ids) and pc.stats["hits"] == 1
-    assert second.tokens == _run(t, tok, d, follow, "dspark", 10).tokens
+    assert second.cached_tokens == _whole_chunks(ids) > 0 and pc.stats["hits"] == 1
+    cold = _run(t, tok, d, follow, "dspark", 10)
+    assert second.tokens == cold.tokens and second.text == cold.text
 
 
 def test_a_cancelled_generation_leaves_nothing():
@@ -106,8 +125,9 @@ def test_stale_and_corrupt_entries_on_disk_are_ignored(tmp_path, caplog):
     t, tok, _ = _pair()
     spill = tmp_path / "spill"
     pc = PrefixCache(t, slots=1, spill_dir=str(spill))
-    a = encode_prompt(tok, "the fox")
-    b = encode_prompt(tok, "print x = x + 1")
+    a = encode_prompt(tok, "the fox and the weather")  # both with a whole chunk of the grid to keep
+    b = encode_prompt(tok, "print x = x + 1 and y")
+    assert _whole_chunks(a) > 0 and _whole_chunks(b) > 0
     _run(t, tok, None, a, "baseline", 6, pc)
     _run(t, tok, None, b, "baseline", 6, pc)  # pushes the first entry out of RAM, onto disk
     files = sorted((spill / pc.key).glob("*.safetensors"))
@@ -117,7 +137,9 @@ def test_stale_and_corrupt_entries_on_disk_are_ignored(tmp_path, caplog):
     warm = _run(t, tok, None, a + [50, 51], "baseline", 6, pc2)
     assert warm.cached_tokens > 0 and warm.tokens == _run(t, tok, None, a + [50, 51], "baseline", 6).tokens
     # Corrupt the file on disk: the next start ignores it with a warning, and runs cold.
+    _run(t, tok, None, b, "baseline", 6, pc2)  # the warm turn's entry (it replaced the first) goes to disk
     pc2.ram.clear()
+    assert len(list((spill / pc.key).glob("*.safetensors"))) == 1
     for f in (spill / pc.key).glob("*.safetensors"):
         f.write_bytes(f.read_bytes()[:100])
     pc3 = PrefixCache(t, slots=1, spill_dir=str(spill))
@@ -131,7 +153,7 @@ def test_stale_and_corrupt_entries_on_disk_are_ignored(tmp_path, caplog):
     mx.save_safetensors(
         str(other),
         {"k.0": mx.zeros((1,))},
-        metadata={"format": "mlx-dspark-prefix-1", "model_key": "someone-else", "tokens": json.dumps(a)},
+        metadata={"format": FORMAT, "model_key": "someone-else", "tokens": json.dumps(a)},
     )
     pc4 = PrefixCache(t, slots=1, spill_dir=str(spill))
     assert "x" not in pc4.disk and not other.exists()

@@ -88,19 +88,29 @@ def _prefill(
 
     As mlx-lm's generate_step does, all but the last token go through in chunks and the last
     token goes through alone, so the first generated token comes from the same arithmetic as
-    in plain mlx-lm decoding (in bf16 on a GPU, a different split can flip a near-tie)."""
+    in plain mlx-lm decoding (in bf16 on a GPU, a different split can flip a near-tie).
+
+    Chunks end at absolute positions that are multiples of PREFILL_CHUNK (counted from the
+    cache's start, not from where this call starts), so a prefill that resumes at such a
+    multiple (a prefix-cache hit, serve/prefix_cache.py) computes every later position in the
+    same chunk, over the same keys, as a cold prefill of the whole prompt: bitwise the same KV
+    and logits, whatever the BLAS or the attention op does with the chunk's row count."""
     ids = mx.array(list(prompt), dtype=mx.int32)
     hidden_parts = []
     n = len(prompt)
-    for start in range(0, n - 1, PREFILL_CHUNK):
-        chunk = ids[start : min(start + PREFILL_CHUNK, n - 1)][None]
+    base = next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
+    start = 0
+    while start < n - 1:
+        end = min((base + start) // PREFILL_CHUNK * PREFILL_CHUNK + PREFILL_CHUNK - base, n - 1)
+        chunk = ids[start:end][None]
         with kernels.prefill_context(target, chunk.shape[1]), cpu_attention.active():
             out = target.forward(chunk, cache, taps=taps, last_only=True)
         if out.hidden is not None:
             hidden_parts.append(out.hidden[0])
         mx.eval([c.state for c in cache] + ([out.hidden] if out.hidden is not None else []))
+        start = end
         if progress is not None:
-            progress(start + chunk.shape[1])
+            progress(end)
         if should_cancel is not None and should_cancel():
             return None, None
     out = target.forward(ids[n - 1 :][None], cache, taps=taps, last_only=True)
@@ -141,6 +151,9 @@ class CacheState:
     taps: tuple[int, ...] = ()
     hidden: mx.array | None = None
     checkpoint: tuple[int, list] | None = None  # (prompt length, Target.snapshot at the prompt's end)
+    # Leading positions computed in whole prefill chunks of the fixed grid (_prefill): the only
+    # ones a cold prefill of a longer prompt computes bitwise the same way.
+    exact: int = 0
 
 
 class Generation:
@@ -253,6 +266,7 @@ class Generation:
             taps=self.kept_taps if hidden is not None else (),
             hidden=hidden,
             checkpoint=self.checkpoint,
+            exact=max(len(self.prompt) - 1, 0) // PREFILL_CHUNK * PREFILL_CHUNK,
         )
 
     def _fed(self, tokens: list[int], hidden: mx.array | None) -> None:

@@ -39,7 +39,14 @@ from pathlib import Path
 import mlx.core as mx
 
 log = logging.getLogger("mlx_dspark.serve")
-FORMAT = "mlx-dspark-prefix-1"
+FORMAT = "mlx-dspark-prefix-2"  # 2: entries hold only grid-aligned positions (1's are ignored)
+
+
+def _grid() -> int:
+    """The prefill's chunk grid (decode/loop.py): trim-mode reuse stops at a multiple of it."""
+    from ..decode import loop
+
+    return loop.PREFILL_CHUNK
 
 
 def model_key(target) -> str:
@@ -241,7 +248,7 @@ class PrefixCache:
         n = min(_common(tokens, prompt), len(prompt) - 1)
         if taps and entry_taps is not None and (tuple(entry_taps) != tuple(taps) or not has_hidden):
             return 0
-        return max(n, 0)
+        return max(n, 0) // _grid() * _grid()  # the prefill resumes on its grid, as a cold one runs
 
     def store(self, state) -> None:
         """Keep a finished generation's cache (decode.loop.CacheState)."""
@@ -249,14 +256,19 @@ class PrefixCache:
             return
         if self.mode == "checkpoint":
             return self._store_checkpoint(state)
-        n = len(state.tokens)
-        keys = [c.keys[..., :n, :] for c in state.cache]
-        values = [c.values[..., :n, :] for c in state.cache]
-        if any(int(c.offset) != n for c in state.cache):
+        if any(int(c.offset) != len(state.tokens) for c in state.cache):
             log.warning("prefix cache: a cache does not hold the tokens it was handed; not stored")
             return
-        mx.eval(keys, values)
-        entry = Entry(tuple(state.tokens), keys, values, tuple(state.taps), state.hidden)
+        # Only the positions a cold prefill computes the same way (whole chunks of the grid);
+        # the prompt's tail and the generated tokens went through other shapes.
+        n = min(len(state.tokens), getattr(state, "exact", 0)) // _grid() * _grid()
+        if n <= 0:
+            return
+        keys = [c.keys[..., :n, :] for c in state.cache]
+        values = [c.values[..., :n, :] for c in state.cache]
+        hidden = state.hidden[:n] if state.hidden is not None else None
+        mx.eval(keys, values, *([hidden] if hidden is not None else []))
+        entry = Entry(tuple(state.tokens[:n]), keys, values, tuple(state.taps), hidden)
         with self._lock:
             # An entry whose tokens the new one extends says nothing the new one does not.
             self.ram = [e for e in self.ram if e.tokens != entry.tokens[: len(e.tokens)]]
