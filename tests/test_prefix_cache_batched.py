@@ -2,20 +2,36 @@
 (serve --max-batch), sharing one prefix cache with one RAM slot (or a tiny RAM budget) and a
 spill directory, with restarts (a new engine and a new cache over the same directory) in between.
 Every turn's token ids and text equal a cold run of the same prompt alone; entries written by
-rows come back from RAM and from disk."""
+rows come back from RAM and from disk. The prefill's chunk grid is lowered to GRID so that these
+short prompts have whole chunks to reuse (an entry keeps only a prompt's whole chunks of the grid)."""
 
 from __future__ import annotations
 
 import tempfile
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prefix_fixtures import context_pair
 
 from mlx_dspark.api import encode_prompt, generate
+from mlx_dspark.decode import loop
 from mlx_dspark.serve.engine import Engine, GenRequest
 from mlx_dspark.serve.prefix_cache import PrefixCache
+
+
+GRID = 4
+
+
+@pytest.fixture(autouse=True)
+def small_grid(monkeypatch):
+    monkeypatch.setattr(loop, "PREFILL_CHUNK", GRID)
+
+
+def _whole_chunks(prompt) -> int:
+    """The positions of a prompt an entry keeps: its whole chunks of the grid, the last token excluded."""
+    return (len(prompt) - 1) // GRID * GRID
 
 
 def _pair():
@@ -73,9 +89,9 @@ round_ = st.tuples(
 )
 
 
-def _on_disk(pc, conv) -> bool:
-    """Whether `pc` has an entry on disk for the conversation's newest turn."""
-    return any(len(tk) >= len(conv) - 1 and list(tk) == conv[: len(tk)] for tk in pc.disk.values())
+def _on_disk(pc, prompt) -> bool:
+    """Whether `pc` has an entry on disk for the conversation's newest turn (asked `prompt`)."""
+    return any(len(tk) >= _whole_chunks(prompt) and list(tk) == prompt[: len(tk)] for tk in pc.disk.values())
 
 
 @settings(
@@ -98,12 +114,13 @@ def test_batched_warm_turns_equal_cold_runs(rounds, mode, slots, tiny_ram):
     eng = _engine(t, tok, d, mode, pc)
     start = encode_prompt(tok, "the fox and the weather")
     convs = [list(start) for _ in range(3)]
+    asked = [list(start) for _ in range(3)]  # each conversation's last prompt
     alive: set[int] = set()  # conversations whose newest turn the cache holds (RAM or disk)
     try:
         for turns, restart in rounds:
             if restart:
                 eng.stop()
-                alive = {w for w in alive if _on_disk(pc, convs[w])}  # RAM is gone, disk is kept
+                alive = {w for w in alive if _on_disk(pc, asked[w])}  # RAM is gone, disk is kept
                 pc = fresh()
                 eng = _engine(t, tok, d, mode, pc)
             prompts = [(convs[which] + user, n) for which, user, n in turns]
@@ -114,8 +131,10 @@ def test_batched_warm_turns_equal_cold_runs(rounds, mode, slots, tiny_ram):
                 assert res.text == text == streamed, (mode, which, res.text, text, streamed)
                 assert res.cached_tokens < len(ids)
                 if which in alive:  # evicted entries went to disk and come back from there
-                    assert res.cached_tokens >= len(convs[which]) - 1, (res.cached_tokens, len(convs[which]))
+                    assert res.cached_tokens >= _whole_chunks(asked[which]), (res.cached_tokens, len(asked[which]))
+                assert res.cached_tokens % GRID == 0
                 convs[which] = ids + res.tokens
+                asked[which] = ids
             alive |= {which for which, _, _ in turns}
     finally:
         eng.stop()
@@ -137,7 +156,7 @@ def test_rows_reuse_spilled_entries_after_a_restart():
         eng.stop()
     assert pc.stats["spilled"] == 2 and len(pc.disk) == 2
     done = [c + r.tokens for c, (r, _) in zip(convs, first)]
-    on_disk = [_on_disk(pc, c) for c in done]
+    on_disk = [_on_disk(pc, c) for c in convs]
     assert sum(on_disk) == 2
     follow = [c + [40 + i, 41] for i, c in enumerate(done)]
     pc2 = PrefixCache(t, slots=1, spill_dir=spill)
@@ -148,9 +167,9 @@ def test_rows_reuse_spilled_entries_after_a_restart():
     finally:
         eng.stop()
     assert pc2.stats["loaded"] == 2
-    for c, disk, ids, (res, streamed) in zip(done, on_disk, follow, second):
+    for c, disk, ids, (res, streamed) in zip(convs, on_disk, follow, second):
         if disk:
-            assert res.cached_tokens >= len(c) - 1
+            assert res.cached_tokens >= _whole_chunks(c) > 0
         else:
             assert res.cached_tokens < min(len(x) for x in convs)
         tokens, text = _cold(t, tok, d, ids, "dspark", 8)
