@@ -14,7 +14,10 @@ around each chunk), on the CPU, in float32, with mask "causal" and at least MIN_
 compat.route_prefill_attention_to_cpu_op routes mlx-lm's calls here. Verify rounds, decode steps,
 GPUs and every other call keep MLX's own kernel. The result matches MLX's to float32 rounding
 (not bitwise): plain and speculative decoding share the prefill, so output stays identical
-between them.
+between them. A row's result depends on its chunk (the row blocks and the keys they span, and
+whether the chunk is routed here at all), as MLX's does with OpenBLAS: a prefix-cache hit is
+exact because the prefill's chunks sit on a fixed grid (decode/loop.py, serve/prefix_cache.py),
+not because a row is computed the same way in any chunk.
 """
 
 from __future__ import annotations

@@ -1,18 +1,37 @@
 """The prefix cache: a new prompt that starts like an earlier conversation reuses its target KV
 (and the drafter's context rows) and prefills only the rest.
 
-Trim mode, for targets whose every layer is a plain `KVCache`: an entry holds the exact tokens
-its cache holds; a hit on a prompt sharing `n` of them restores a fresh cache trimmed to `n`
-(fresh array objects, so the entry is never written through) and the generation prefills
-`prompt[n:]`. At least the last prompt token is always fed, so the first new token comes from a
-forward as in a cold run. Greedy output is the same as a cold run wherever the forward's rows do
-not depend on how the prompt was split (CPU float32, and the width-invariant GPU path).
+Trim mode, for targets whose every layer is a plain `KVCache`: an entry holds the tokens its
+cache holds; a hit on a prompt sharing `n` of them restores a fresh cache trimmed to `n` (fresh
+array objects, so the entry is never written through) and the generation prefills `prompt[n:]`.
+At least the last prompt token is always fed, so the first new token comes from a forward as in
+a cold run.
+
+Warm equals cold bitwise (KV, logits, tokens, text) because every position is computed in the
+same chunk shape as in a cold run: the prefill's chunks end at multiples of
+decode.loop.PREFILL_CHUNK counted from position 0, an entry keeps only the positions of its
+prompt that lay in whole chunks of that grid (`(len(prompt) - 1) // PREFILL_CHUNK` chunks; the
+prompt's tail, its last token and the generated tokens went through other shapes and are
+dropped), and a hit reuses a multiple of PREFILL_CHUNK. The rows of a forward DO depend on how
+the prompt was split, so finer reuse would not be exact. Measured on the CPU in float32
+(SmolLM2-135M, a 2,300-token prompt, its first 1,900 tokens prefilled first): with OpenBLAS,
+GEMMs of fewer than 8 rows (the lone last token, decode steps) round rows differently from wide
+ones; MLX's attention rounds a row differently when its chunk's key count changes; the blocked
+numpy attention (kernels/cpu_attention.py) does when the row blocks change; and the routing
+between the two depends on the chunk's size. Split at 1,900 the last logits differed by up to
+2.7e-5 and, from layer 1 up, the KV of most positions from 80 on (from 1,590 on with MLX's
+attention alone); on the grid they are equal (tests/test_prefix_cache_bitwise.py).
+The cost: up to PREFILL_CHUNK - 1 prompt tokens and the previous answer are prefilled again on
+a warm turn, and a prompt of at most PREFILL_CHUNK tokens leaves no entry.
 
 Checkpoint mode, for targets whose caches cannot be trimmed back to any earlier point (hybrid
 GDN layers, sliding windows; models/snapshot.py knows their layers): an entry is the whole
 cache as it stood at a prompt boundary (`Target.snapshot` right after a generation's prefill,
 evaluated into fresh arrays). It is reused whole, and only when a later prompt extends its
-tokens exactly (and by at least one token, which is fed); anything else is a miss whose cause
+tokens exactly (and by at least one token, which is fed). Its last positions were computed in
+other chunk shapes than a cold prefill of the longer prompt uses, so warm equals cold only to
+float rounding here, not bitwise (greedy tokens agree unless a near-tie flips). Anything else
+is a miss whose cause
 (`last_report` / the `report` dict of `lookup`: where the prompt diverged and the text there,
 e.g. a chat template that re-renders the `<think>` opener) the server puts in `x_mlx_dspark`.
 Checkpoint entries stay in RAM (no spill).
