@@ -18,7 +18,10 @@ Quantized weights on the CPU keep MLX's quantized_matmul: its rows are computed 
 
 `call(layer, x)` is what compat.py's routing calls for nn.Linear, nn.QuantizedLinear and the
 embeddings' as_linear while kernels.invariant.active() is on; None means "no invariant path for
-this layer here" (MLX's own op runs, and the self-check judges the forward).
+this layer here" (MLX's own op runs, and the self-check judges the forward). On a GPU a small
+model's decode is host-bound (each launch costs several times MLX's own product to build:
+bench/profile_invariant_host.py), so sibling layers that take the same input (q/k/v, gate/up:
+`group_siblings`) run as one launch over up to 3 weights.
 """
 
 from __future__ import annotations
