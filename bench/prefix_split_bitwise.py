@@ -38,8 +38,11 @@ def compare(name, la, kva, lb, kvb, dt):
     print(
         f"{name}: {dt:.2f}s; last logits bitwise equal {np.array_equal(la, lb)} (max |diff| "
         f"{float(np.abs(la - lb).max()):.3g}); KV "
-        + ("equal in every layer" if first is None else f"first differs in layer {first[0]} at position {first[1]} "
-           f"({first[2]} positions there)")
+        + (
+            "equal in every layer"
+            if first is None
+            else f"first differs in layer {first[0]} at position {first[1]} ({first[2]} positions there)"
+        )
     )
 
 
@@ -54,7 +57,9 @@ def main():
     t, tok = md.load_target(str(demo_model_path()), dtype="float32")
     ids = tok.encode(open(__file__).read() * 20)[: a.n]
     assert len(ids) == a.n
-    print(f"blas {blas.active_blas().get('name')}, attention {a.attention}, chunk {loop.PREFILL_CHUNK}, N {a.n}, W {a.w}")
+    print(
+        f"blas {blas.active_blas().get('name')}, attention {a.attention}, chunk {loop.PREFILL_CHUNK}, N {a.n}, W {a.w}"
+    )
     cache = t.make_cache()
     t0 = time.perf_counter()
     la, _ = loop._prefill(t, cache, ids, ())
@@ -74,8 +79,14 @@ def main():
         return
     t0 = time.perf_counter()
     lc, _ = loop._prefill(t, hit.cache, ids[hit.reused :], ())
-    compare(f"(c) prefix-cache hit reusing {hit.reused}", la, kva, np.array(lc), kv(hit.cache, a.n),
-            time.perf_counter() - t0)
+    compare(
+        f"(c) prefix-cache hit reusing {hit.reused}",
+        la,
+        kva,
+        np.array(lc),
+        kv(hit.cache, a.n),
+        time.perf_counter() - t0,
+    )
 
 
 if __name__ == "__main__":
