@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import mlx.core as mx
 import numpy as np
 
 import mlx_dspark as md

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import tempfile
 
-from drafter_fixtures import target, workspace
 import pytest
+from drafter_fixtures import target, workspace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prefix_fixtures import context_pair

@@ -20,7 +20,6 @@ from mlx_dspark.decode import loop
 from mlx_dspark.serve.engine import Engine, GenRequest
 from mlx_dspark.serve.prefix_cache import PrefixCache
 
-
 GRID = 4
 
 
