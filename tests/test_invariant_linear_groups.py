@@ -73,6 +73,8 @@ def test_siblings_share_one_launch(llama, fake_gpu, bits):
         nn.quantize(target.model, group_size=32, bits=bits)
     assert il.group_siblings(target.model) == 2 * 2  # q/k/v and gate/up in each of 2 layers
     layer = target.model.model.layers[0]
+    group = il._sibling_of[id(layer.self_attn.q_proj)][1]
+    assert il.group_siblings(target.model) == 4 and il._sibling_of[id(layer.self_attn.k_proj)][1] is group  # kept
     attn, mlp = layer.self_attn, layer.mlp
     x = rand((1, 3, 64), mx.float32, 60)
     want = [m(x) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)]

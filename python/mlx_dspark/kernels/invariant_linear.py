@@ -371,6 +371,11 @@ def group_siblings(model) -> int:
             layers = [module.get(name) for name in names]
             if any(lay is None for lay in layers) or not isinstance(layers[0], (nn.Linear, nn.QuantizedLinear)):
                 continue
+            known = [_sibling_of.get(id(lay)) for lay in layers]
+            if all(k is not None and k[0]() is lay and k[1] is known[0][1] for k, lay in zip(known, layers)):
+                if known[0][1].valid():  # grouped already (a path switched back): keep it and its plans
+                    n += 1
+                    continue
             if _gpu_plan(layers, False, path) is None:
                 continue
             group = _Siblings(layers, path)
