@@ -151,9 +151,9 @@ class CacheState:
     taps: tuple[int, ...] = ()
     hidden: mx.array | None = None
     checkpoint: tuple[int, list] | None = None  # (prompt length, Target.snapshot at the prompt's end)
-    # Leading positions computed in whole prefill chunks of the fixed grid (_prefill): the only
-    # ones a cold prefill of a longer prompt computes bitwise the same way.
-    exact: int = 0
+    # Leading positions that went through _prefill's chunks (the prompt but its last token); the
+    # prefix cache keeps the whole chunks of its grid among them.
+    prefilled: int = 0
 
 
 class Generation:
@@ -266,7 +266,7 @@ class Generation:
             taps=self.kept_taps if hidden is not None else (),
             hidden=hidden,
             checkpoint=self.checkpoint,
-            exact=max(len(self.prompt) - 1, 0) // PREFILL_CHUNK * PREFILL_CHUNK,
+            prefilled=max(len(self.prompt) - 1, 0),
         )
 
     def _fed(self, tokens: list[int], hidden: mx.array | None) -> None:

@@ -280,7 +280,7 @@ class PrefixCache:
             return
         # Only the positions a cold prefill computes the same way (whole chunks of the grid);
         # the prompt's tail and the generated tokens went through other shapes.
-        n = min(len(state.tokens), getattr(state, "exact", 0)) // _grid() * _grid()
+        n = min(len(state.tokens), state.prefilled) // _grid() * _grid()
         if n <= 0:
             return
         keys = [c.keys[..., :n, :] for c in state.cache]
