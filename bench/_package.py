@@ -46,3 +46,21 @@ else:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+PRECISIONS = ("bf16", "8", "4", "f32")
+
+
+def load_precision(model: str | None, precision: str):
+    """(target, tokenizer, model path) for a bench's --model / --precision: bf16 or float32 as
+    loaded, 8 / 4 = bf16 quantized at load; the demo model when `model` is None."""
+    import mlx_dspark as md
+
+    if model is None:
+        from mlx_dspark.models.demo import demo_model_path
+
+        model = str(demo_model_path())
+    dtype = "float32" if precision == "f32" else "bfloat16"
+    quantize = int(precision) if precision in ("8", "4") else None
+    target, tok = md.load_target(model, dtype=dtype, quantize=quantize)
+    return target, tok, model

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+import _package  # the installed mlx_dspark, else python/; the precision loader
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("humaneval", "math500", "mbpp", "mt-bench", "swe-bench")
@@ -60,7 +60,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="default: the demo model")
-    ap.add_argument("--precision", default="bf16", choices=["bf16", "8", "4", "f32"])
+    ap.add_argument("--precision", default="bf16", choices=_package.PRECISIONS)
     ap.add_argument("--prompts", default="/work/shared/data/prompts/eval")
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=192)
@@ -73,15 +73,8 @@ def main() -> int:
     from mlx_dspark.api import drafter_for
     from mlx_dspark.kernels import invariant
 
-    dtype = "float32" if args.precision == "f32" else "bfloat16"
-    quantize = int(args.precision) if args.precision in ("8", "4") else None
-    model = args.model
-    if model is None:
-        from mlx_dspark.models.demo import demo_model_path
-
-        model = str(demo_model_path())
     t0 = time.perf_counter()
-    target, tok = md.load_target(model, dtype=dtype, quantize=quantize)
+    target, tok, model = _package.load_precision(args.model, args.precision)
     load_s = time.perf_counter() - t0
     prompts = eval_prompts(Path(args.prompts), args.n)
     modes = [m for m in args.modes.split(",") if m and m != "baseline"]

@@ -19,13 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-import _package  # noqa: F401
+import _package  # the installed mlx_dspark, else python/; the precision loader
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
-    ap.add_argument("--precision", default="bf16", choices=["bf16", "8", "4", "f32"])
+    ap.add_argument("--precision", default="bf16", choices=_package.PRECISIONS)
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
@@ -37,14 +37,7 @@ def main() -> int:
     import mlx_dspark as md
     from mlx_dspark import benchmark as bm
 
-    dtype = "float32" if args.precision == "f32" else "bfloat16"
-    quantize = int(args.precision) if args.precision in ("8", "4") else None
-    model = args.model
-    if model is None:
-        from mlx_dspark.models.demo import demo_model_path
-
-        model = str(demo_model_path())
-    target, tok = md.load_target(model, dtype=dtype, quantize=quantize)
+    target, tok, model = _package.load_precision(args.model, args.precision)
     from mlx_dspark.models import invariance
 
     chosen = invariance.path_of(target)

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-import _package  # noqa: F401
+import _package  # the installed mlx_dspark, else python/; the precision loader
 
 
 def _steps(target, cache, tok, n):
@@ -44,7 +44,7 @@ def _steps(target, cache, tok, n):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
-    ap.add_argument("--precision", default="bf16", choices=["bf16", "8", "4", "f32"])
+    ap.add_argument("--precision", default="bf16", choices=_package.PRECISIONS)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--out")
@@ -58,14 +58,8 @@ def main() -> int:
     from mlx_dspark.kernels import invariant, invariant_linear
     from mlx_dspark.models import invariance
 
+    target, tokenizer, model = _package.load_precision(args.model, args.precision)
     dtype = "float32" if args.precision == "f32" else "bfloat16"
-    quantize = int(args.precision) if args.precision in ("8", "4") else None
-    model = args.model
-    if model is None:
-        from mlx_dspark.models.demo import demo_model_path
-
-        model = str(demo_model_path())
-    target, tokenizer = md.load_target(model, dtype=dtype, quantize=quantize)
     chosen = invariance.path_of(target)
     lines = [
         f"## host time per decode step: {Path(model).name} {args.precision}, {bm.device_stamp()}",
