@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
+import mlx.core as mx
 import numpy as np
 
 import mlx_dspark as md
@@ -67,7 +68,7 @@ def main():
     kva = kv(cache, a.n)
     cache = t.make_cache()
     t0 = time.perf_counter()
-    loop._prefill(t, cache, ids[: a.w], ())
+    loop.prefill_chunk(t, cache, mx.array(ids[: a.w], dtype=mx.int32)[None], ())  # what an entry keeps
     lb, _ = loop._prefill(t, cache, ids[a.w :], ())
     compare(f"(b) split at {a.w}", la, kva, np.array(lb), kv(cache, a.n), time.perf_counter() - t0)
     pc = PrefixCache(t)

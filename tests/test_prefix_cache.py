@@ -28,9 +28,11 @@ def small_grid(monkeypatch):
     monkeypatch.setattr(loop, "PREFILL_CHUNK", GRID)
 
 
-def _whole_chunks(prompt) -> int:
-    """The positions of a prompt an entry keeps: its whole chunks of the grid, the last token excluded."""
-    return (len(prompt) - 1) // GRID * GRID
+def _whole_chunks(prompt, grid: int) -> int:
+    """The positions of a prompt an entry keeps, the last token excluded: all of them where the
+    prefill is split-invariant (PrefixCache.grid 1: this CPU in float32), else its whole chunks of
+    the grid."""
+    return (len(prompt) - 1) // grid * grid
 
 
 def _pair():
@@ -93,8 +95,8 @@ def test_warm_equals_cold(turns, slots, spill, tiny_ram):
         # The newest entry is this conversation's: a hit, unless this mode taps hidden states
         # (dspark) that the entry, written by a mode without taps, does not hold.
         if previous is not None and previous[0] == which and not restart and (mode != "dspark" or previous[1] == mode):
-            assert warm.cached_tokens >= _whole_chunks(asked[which]), (warm.cached_tokens, len(asked[which]))
-        assert warm.cached_tokens % GRID == 0
+            assert warm.cached_tokens >= _whole_chunks(asked[which], pc.grid), (warm.cached_tokens, len(asked[which]))
+        assert warm.cached_tokens % pc.grid == 0
         previous = (which, mode)
         convs[which] = ids + warm.tokens
         asked[which] = ids
@@ -108,7 +110,7 @@ def test_a_follow_up_turn_reuses_the_conversation():
     assert first.cached_tokens == 0 and pc.stats["misses"] == 1
     follow = ids + first.tokens + [40, 41, 42]
     second = _run(t, tok, d, follow, "dspark", 10, pc)
-    assert second.cached_tokens == _whole_chunks(ids) > 0 and pc.stats["hits"] == 1
+    assert second.cached_tokens == _whole_chunks(ids, pc.grid) > 0 and pc.stats["hits"] == 1
     cold = _run(t, tok, d, follow, "dspark", 10)
     assert second.tokens == cold.tokens and second.text == cold.text
 
@@ -127,7 +129,7 @@ def test_stale_and_corrupt_entries_on_disk_are_ignored(tmp_path, caplog):
     pc = PrefixCache(t, slots=1, spill_dir=str(spill))
     a = encode_prompt(tok, "the fox and the weather")  # both with a whole chunk of the grid to keep
     b = encode_prompt(tok, "print x = x + 1 and y")
-    assert _whole_chunks(a) > 0 and _whole_chunks(b) > 0
+    assert _whole_chunks(a, pc.grid) > 0 and _whole_chunks(b, pc.grid) > 0
     _run(t, tok, None, a, "baseline", 6, pc)
     _run(t, tok, None, b, "baseline", 6, pc)  # pushes the first entry out of RAM, onto disk
     files = sorted((spill / pc.key).glob("*.safetensors"))

@@ -28,9 +28,11 @@ def small_grid(monkeypatch):
     monkeypatch.setattr(loop, "PREFILL_CHUNK", GRID)
 
 
-def _whole_chunks(prompt) -> int:
-    """The positions of a prompt an entry keeps: its whole chunks of the grid, the last token excluded."""
-    return (len(prompt) - 1) // GRID * GRID
+def _whole_chunks(prompt, grid: int) -> int:
+    """The positions of a prompt an entry keeps, the last token excluded: all of them where the
+    prefill is split-invariant (PrefixCache.grid 1: this CPU in float32), else its whole chunks of
+    the grid."""
+    return (len(prompt) - 1) // grid * grid
 
 
 def _pair():
@@ -90,7 +92,7 @@ round_ = st.tuples(
 
 def _on_disk(pc, prompt) -> bool:
     """Whether `pc` has an entry on disk for the conversation's newest turn (asked `prompt`)."""
-    return any(len(tk) >= _whole_chunks(prompt) and list(tk) == prompt[: len(tk)] for tk in pc.disk.values())
+    return any(len(tk) >= _whole_chunks(prompt, pc.grid) and list(tk) == prompt[: len(tk)] for tk in pc.disk.values())
 
 
 @settings(
@@ -130,8 +132,11 @@ def test_batched_warm_turns_equal_cold_runs(rounds, mode, slots, tiny_ram):
                 assert res.text == text == streamed, (mode, which, res.text, text, streamed)
                 assert res.cached_tokens < len(ids)
                 if which in alive:  # evicted entries went to disk and come back from there
-                    assert res.cached_tokens >= _whole_chunks(asked[which]), (res.cached_tokens, len(asked[which]))
-                assert res.cached_tokens % GRID == 0
+                    assert res.cached_tokens >= _whole_chunks(asked[which], pc.grid), (
+                        res.cached_tokens,
+                        len(asked[which]),
+                    )
+                assert res.cached_tokens % pc.grid == 0
                 convs[which] = ids + res.tokens
                 asked[which] = ids
             alive |= {which for which, _, _ in turns}
@@ -168,7 +173,7 @@ def test_rows_reuse_spilled_entries_after_a_restart():
     assert pc2.stats["loaded"] == 2
     for c, disk, ids, (res, streamed) in zip(convs, on_disk, follow, second):
         if disk:
-            assert res.cached_tokens >= _whole_chunks(c) > 0
+            assert res.cached_tokens >= _whole_chunks(c, pc2.grid) > 0
         else:
             assert res.cached_tokens < min(len(x) for x in convs)
         tokens, text = _cold(t, tok, d, ids, "dspark", 8)

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from .. import kernels
-from ..kernels import cpu_attention
+from ..kernels import cpu_attention, split_prefill
 from ..models.target import Target
 from .accept import make_acceptor
 from .proposers import Draft, Proposer
@@ -90,21 +90,23 @@ def _prefill(
     token goes through alone, so the first generated token comes from the same arithmetic as
     in plain mlx-lm decoding (in bf16 on a GPU, a different split can flip a near-tie).
 
-    Chunks end at absolute positions that are multiples of PREFILL_CHUNK (counted from the
+    Where kernels/split_prefill.py serves the target (the CPU in float32, plain KV caches), a
+    chunk's rows do not depend on where it starts or ends: a prefill resumed at any position (a
+    prefix-cache hit, serve/prefix_cache.py) gives bitwise the KV of a cold one. Elsewhere the
+    chunks end at absolute positions that are multiples of PREFILL_CHUNK (counted from the
     cache's start, not from where this call starts), so a prefill that resumes at such a
-    multiple (a prefix-cache hit, serve/prefix_cache.py) computes every later position in the
-    same chunk, over the same keys, as a cold prefill of the whole prompt: bitwise the same KV
-    and logits, whatever the BLAS or the attention op does with the chunk's row count."""
+    multiple computes every later position in the same chunk, over the same keys, as a cold
+    prefill of the whole prompt: bitwise the same KV and logits, whatever the BLAS or the
+    attention op does with the chunk's row count."""
     ids = mx.array(list(prompt), dtype=mx.int32)
     hidden_parts = []
     n = len(prompt)
     base = next((c.offset for c in cache if isinstance(getattr(c, "offset", None), int)), 0)
     start = 0
+    split = split_prefill.supported(target, cache) is None
     while start < n - 1:
         end = min((base + start) // PREFILL_CHUNK * PREFILL_CHUNK + PREFILL_CHUNK - base, n - 1)
-        chunk = ids[start:end][None]
-        with kernels.prefill_context(target, chunk.shape[1]), cpu_attention.active():
-            out = target.forward(chunk, cache, taps=taps, last_only=True)
+        out = prefill_chunk(target, cache, ids[start:end][None], taps, split)
         if out.hidden is not None:
             hidden_parts.append(out.hidden[0])
         mx.eval([c.state for c in cache] + ([out.hidden] if out.hidden is not None else []))
@@ -118,6 +120,17 @@ def _prefill(
         hidden_parts.append(out.hidden[0])
     hidden = mx.concatenate(hidden_parts, axis=0) if hidden_parts else None
     return out.logits[0, -1], hidden
+
+
+def prefill_chunk(target: Target, cache: list, chunk: mx.array, taps: Sequence[int], split: bool | None = None):
+    """One prefill chunk [1, w] through the target (ForwardOut, logits of its last row only):
+    split-invariant where kernels/split_prefill.py serves the target and its cache (`split`
+    None: decide here), else with the dense wide GEMM and the blocked CPU attention."""
+    if split is None:
+        split = split_prefill.supported(target, cache) is None
+    ctx = split_prefill.context(target) if split else kernels.prefill_context(target, chunk.shape[1])
+    with ctx, cpu_attention.active():
+        return target.forward(chunk, cache, taps=taps, last_only=True)
 
 
 @dataclass

@@ -7,22 +7,20 @@ array objects, so the entry is never written through) and the generation prefill
 At least the last prompt token is always fed, so the first new token comes from a forward as in
 a cold run.
 
-Warm equals cold bitwise (KV, logits, tokens, text) because every position is computed in the
-same chunk shape as in a cold run: the prefill's chunks end at multiples of
-decode.loop.PREFILL_CHUNK counted from position 0, an entry keeps only the positions of its
-prompt that lay in whole chunks of that grid (`(len(prompt) - 1) // PREFILL_CHUNK` chunks; the
-prompt's tail, its last token and the generated tokens went through other shapes and are
-dropped), and a hit reuses a multiple of PREFILL_CHUNK. The rows of a forward DO depend on how
-the prompt was split, so finer reuse would not be exact. Measured on the CPU in float32
-(SmolLM2-135M, a 2,300-token prompt, its first 1,900 tokens prefilled first): with OpenBLAS,
-GEMMs of fewer than 8 rows (the lone last token, decode steps) round rows differently from wide
-ones; MLX's attention rounds a row differently when its chunk's key count changes; the blocked
-numpy attention (kernels/cpu_attention.py) does when the row blocks change; and the routing
-between the two depends on the chunk's size. Split at 1,900 the last logits differed by up to
-2.7e-5 and, from layer 1 up, the KV of most positions from 80 on (from 1,590 on with MLX's
-attention alone); on the grid they are equal (tests/test_prefix_cache_bitwise.py).
-The cost: up to PREFILL_CHUNK - 1 prompt tokens and the previous answer are prefilled again on
-a warm turn, and a prompt of at most PREFILL_CHUNK tokens leaves no entry.
+Warm equals cold bitwise (KV, logits, tokens, text) because every reused position holds the
+bits a cold prefill of the new prompt computes there. An entry keeps only the positions that went
+through the prefill's chunks (the prompt but its last token: that token and the generated ones
+came from decode forwards, another arithmetic). Where the prefill is split-invariant
+(kernels/split_prefill.py: the CPU in float32 with plain KV caches, its self-check passed at
+load; `grid` 1) an entry keeps all of them and a hit reuses every shared token but the last:
+a follow-up turn prefills only the previous answer and the new message. Elsewhere (GPUs, other
+dtypes; `grid` = decode.loop.PREFILL_CHUNK) a row DOES depend on how the prompt was split
+(OpenBLAS's edge tiles, MLX's attention over a chunk's key count, the routing between attention
+ops), so the prefill's chunks end at multiples of PREFILL_CHUNK counted from position 0, an
+entry keeps only its prompt's whole chunks of that grid and a hit reuses a multiple of it: up to
+PREFILL_CHUNK - 1 prompt tokens are prefilled again, and a prompt of at most PREFILL_CHUNK tokens
+leaves no entry (tests/test_prefix_cache_bitwise.py checks both). Entries are keyed by which of
+the two prefills computed them (`model_key`): their bits differ.
 
 Checkpoint mode, for targets whose caches cannot be trimmed back to any earlier point (hybrid
 GDN layers, sliding windows; models/snapshot.py knows their layers): an entry is the whole
@@ -58,14 +56,17 @@ from pathlib import Path
 import mlx.core as mx
 
 log = logging.getLogger("mlx_dspark.serve")
-FORMAT = "mlx-dspark-prefix-2"  # 2: entries hold only grid-aligned positions (1's are ignored)
+FORMAT = "mlx-dspark-prefix-2"  # 2: entries hold only positions a cold prefill computes alike (1's are ignored)
 
 
-def _grid() -> int:
-    """The prefill's chunk grid (decode/loop.py): trim-mode reuse stops at a multiple of it."""
+def grid(target) -> int:
+    """Where trim-mode reuse may stop: anywhere (1) when the target's prefill is split-invariant
+    here (kernels/split_prefill.py, its self-check passed), else at a multiple of the prefill's
+    chunk grid (decode/loop.py)."""
     from ..decode import loop
+    from ..kernels import split_prefill
 
-    return loop.PREFILL_CHUNK
+    return 1 if split_prefill.verified(target) else loop.PREFILL_CHUNK
 
 
 def model_key(target) -> str:
@@ -83,8 +84,15 @@ def model_key(target) -> str:
         json.dumps(cfg.get("quantization"), sort_keys=True),
         str(getattr(target, "kv_bits", None)),
         mx.__version__,
+        _prefill_kind(target),  # a split-invariant prefill computes other bits than the BLAS one
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def _prefill_kind(target) -> str:
+    from ..kernels import split_prefill
+
+    return "split-invariant" if split_prefill.verified(target) else "grid"
 
 
 def cache_mode(target) -> tuple[str | None, str | None]:
@@ -155,6 +163,7 @@ class PrefixCache:
         self.max_bytes = int(max_ram_mb * 2**20) if max_ram_mb else None
         self.key = model_key(target)
         self.mode, self.off_reason = cache_mode(target)
+        self.grid = grid(target) if self.mode == "trim" else 1
         if self.mode == "checkpoint":
             spill_dir = None  # checkpoint entries stay in RAM
         self.ram: list[Entry] = []  # most recently used first
@@ -262,12 +271,11 @@ class PrefixCache:
         except Exception:  # no tokenizer: the ids say it
             return str(list(ids))
 
-    @staticmethod
-    def _usable(tokens, entry_taps, has_hidden, prompt, taps) -> int:
+    def _usable(self, tokens, entry_taps, has_hidden, prompt, taps) -> int:
         n = min(_common(tokens, prompt), len(prompt) - 1)
         if taps and entry_taps is not None and (tuple(entry_taps) != tuple(taps) or not has_hidden):
             return 0
-        return max(n, 0) // _grid() * _grid()  # the prefill resumes on its grid, as a cold one runs
+        return max(n, 0) // self.grid * self.grid  # off the split-invariant path: resume on the chunk grid
 
     def store(self, state) -> None:
         """Keep a finished generation's cache (decode.loop.CacheState)."""
@@ -278,9 +286,10 @@ class PrefixCache:
         if any(int(c.offset) != len(state.tokens) for c in state.cache):
             log.warning("prefix cache: a cache does not hold the tokens it was handed; not stored")
             return
-        # Only the positions a cold prefill computes the same way (whole chunks of the grid);
-        # the prompt's tail and the generated tokens went through other shapes.
-        n = min(len(state.tokens), state.prefilled) // _grid() * _grid()
+        # Only the positions a cold prefill computes the same way: those that went through the
+        # prefill's chunks (not the lone last prompt token nor the generated ones: the decode
+        # path computes them), and off the split-invariant path only their whole chunks of the grid.
+        n = min(len(state.tokens), state.prefilled) // self.grid * self.grid
         if n <= 0:
             return
         keys = [c.keys[..., :n, :] for c in state.cache]
