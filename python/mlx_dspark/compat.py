@@ -132,7 +132,8 @@ def route_linears_to_invariant_op() -> None:
     as_linear (the tied lm_head) on the class at call time. Wrap them once so that, while
     kernels.invariant.active() is on in the calling thread, they compute through the row-invariant
     product of kernels/invariant_linear.py (where it supports the layer: affine 2/4/8-bit, float
-    weights); every other call, thread and layer kind keeps MLX's own op."""
+    weights); every other call, thread and layer kind keeps MLX's own op. mlx-lm's MoE expert
+    layers are routed the same way (_route_experts)."""
     global _linear_originals
     import mlx.nn as nn
 
@@ -158,7 +159,33 @@ def route_linears_to_invariant_op() -> None:
 
         originals[(cls, attr)] = original
         setattr(cls, attr, routed)
+    _route_experts(originals)
     _linear_originals = originals
+
+
+def _route_experts(originals: dict) -> None:
+    """mlx-lm (0.32.x) MoE blocks (SwitchGLU / SwitchMLP) call SwitchLinear.__call__ and
+    QuantizedSwitchLinear.__call__(x, indices, sorted_indices) by class lookup, which run
+    mx.gather_mm / mx.gather_qmm and then add the per-expert bias. While kernels.invariant.active()
+    is on, the product runs through kernels/invariant_gather.py where it takes the layer (and the
+    bias is added as mlx-lm adds it); otherwise, and for what it does not take, mlx-lm's own call."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    from .kernels import invariant, invariant_gather
+
+    for cls in (SwitchLinear, QuantizedSwitchLinear):
+        original = cls.__dict__["__call__"]
+
+        def routed(self, x, indices, sorted_indices=False, _original=original):
+            if invariant.is_active():
+                y = invariant_gather.call(self, x, indices)
+                if y is not None:
+                    return y + mx.expand_dims(self["bias"][indices], -2) if "bias" in self else y
+            return _original(self, x, indices, sorted_indices)
+
+        originals[(cls, "__call__")] = original
+        cls.__call__ = routed
 
 
 def mlx_lm_tool_call(syntax: str, text: str, tools):
