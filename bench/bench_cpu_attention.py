@@ -4,7 +4,9 @@ prefill chunk's shapes (SmolLM2-135M: 9 query heads, 3 KV heads, head dim 64), f
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
         python bench/bench_cpu_attention.py [--lq 2048] [--lk 4096 12288 20480]
 
-Prints wall and CPU seconds of one call of each, their ratio, and the largest difference."""
+Prints wall and CPU seconds of one call of each, their ratio, and the largest difference; with
+--split also `attention_split` (the split-invariant prefill's op) against `attention_blocks`.
+--skip-mlx leaves MLX's own kernel out (slow at long keys)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--split", action="store_true", help="also time attention_split against attention_blocks")
+    ap.add_argument("--skip-mlx", action="store_true", help="do not time MLX's own kernel")
     a = ap.parse_args()
     mx.set_default_device(mx.cpu)
     rng = np.random.default_rng(0)
@@ -51,14 +55,30 @@ def main() -> None:
             return o
 
         def ours():
-            o = cpu_attention.attention(q, k, v, scale)
+            o = cpu_attention.attention_blocks(q, k, v, scale)
             mx.eval(o)
             return o
 
-        mw, mc, ref = timed(mlx_call, a.reps)
+        def split():
+            o = cpu_attention.attention_split(q, k, v, scale)
+            mx.eval(o)
+            return o
+
         ow, oc, got = timed(ours, a.reps)
-        diff = float(mx.max(mx.abs(ref - got)))
+        if a.skip_mlx:
+            mw = mc = float("nan")
+            diff = float("nan")
+        else:
+            mw, mc, ref = timed(mlx_call, a.reps)
+            diff = float(mx.max(mx.abs(ref - got)))
         print(f"{lk:<7} {mw:8.2f}  {mc:7.2f}  {ow:9.2f}  {oc:7.2f}  {mw / ow:14.2f}  {diff:.2e}")
+        if a.split:
+            sw, sc, sgot = timed(split, a.reps)
+            sdiff = float(mx.max(mx.abs(sgot - got)))
+            print(
+                f"        split: wall {sw:.2f} s, cpu {sc:.2f} s; split / blocks (wall) {sw / ow:.2f}; "
+                f"max |diff| {sdiff:.2e}"
+            )
 
 
 if __name__ == "__main__":
