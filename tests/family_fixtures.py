@@ -7,6 +7,9 @@
   qwen3_next   hybrid GDN, MoE (per-expert tensors), flat config
   gemma3_text  sliding-window (RotatingKVCache) layers interleaved with global ones
   qwen3_moe    dense attention, sparse MoE MLP (per-expert tensors), for the MoE path
+  gemma4_text  mlx-lm's Gemma 4 text model: sliding / full layers, tied head, logit softcap, and
+               the 26B-A4B-style MoE block beside the dense MLP (router + packed experts
+               gate_up_proj / down_proj, as the HF checkpoint stores them); `moe=False` drops it
 
 `write_family(path, family, ...)` writes config.json + model.safetensors + the tokenizer of
 fixtures.py; `fixtures.write_model` forwards these family names here.
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3_text", "qwen3_moe")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma3_text", "qwen3_moe", "gemma4_text")
 
 
 def _weights(rng, std):
@@ -267,6 +270,74 @@ def _qwen3_moe(vocab, eos, rng, *, layers, hidden):
     return cfg, t
 
 
+def _gemma4(vocab, eos, rng, *, layers, hidden, window, moe):
+    heads, hd, inter, E, mi = 2, 32, 128, 4, 64
+    w = _weights(rng, 0.3)
+    cfg = {
+        "architectures": ["Gemma4ForCausalLM"],
+        "model_type": "gemma4_text",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "head_dim": hd,
+        "global_head_dim": hd,
+        "num_key_value_heads": 1,
+        "num_global_key_value_heads": 1,
+        "attention_k_eq_v": False,
+        "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0,
+        "vocab_size": vocab,
+        "vocab_size_per_layer_input": vocab,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "use_double_wide_mlp": False,
+        "enable_moe_block": moe,
+        "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+    }
+    if moe:
+        cfg.update(num_experts=E, top_k_experts=2, moe_intermediate_size=mi)
+    ones = lambda n: (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)  # noqa: E731
+    t = {"model.embed_tokens.weight": w(vocab, hidden, s=0.1), "model.norm.weight": ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = w(heads * hd, hidden)
+        t[p + "self_attn.k_proj.weight"] = w(hd, hidden)
+        t[p + "self_attn.v_proj.weight"] = w(hd, hidden)
+        t[p + "self_attn.o_proj.weight"] = w(hidden, heads * hd)
+        t[p + "self_attn.q_norm.weight"] = ones(hd)
+        t[p + "self_attn.k_norm.weight"] = ones(hd)
+        t[p + "mlp.gate_proj.weight"] = w(inter, hidden)
+        t[p + "mlp.up_proj.weight"] = w(inter, hidden)
+        t[p + "mlp.down_proj.weight"] = w(hidden, inter)
+        norms = [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ]
+        if moe:
+            norms += ["post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"]
+            t[p + "router.proj.weight"] = w(E, hidden)
+            t[p + "router.scale"] = ones(hidden)
+            t[p + "router.per_expert_scale"] = ones(E)
+            t[p + "experts.gate_up_proj"] = w(E, 2 * mi, hidden)
+            t[p + "experts.down_proj"] = w(E, hidden, mi)
+        for n in norms:
+            t[p + n + ".weight"] = ones(hidden)
+        t[p + "layer_scalar"] = np.array([1.0], np.float32)
+    return cfg, t
+
+
 def write_family(
     path,
     family: str,
@@ -277,10 +348,12 @@ def write_family(
     window: int = 8,
     vocab_size: int = 384,
     gdn_key_dim: int = 16,
+    moe: bool = True,
 ) -> Path:
     """A random `family` model (see FAMILIES) in its HF layout, tokenizer included.
     `window` is gemma3_text's sliding window (short, so conversations run past it);
-    `gdn_key_dim` the hybrids' GDN key head dimension (the native kernel takes multiples of 32)."""
+    `gdn_key_dim` the hybrids' GDN key head dimension (the native kernel takes multiples of 32);
+    `moe` gemma4_text's MoE block (the other families' MoE is fixed by the family)."""
     from fixtures import _trained_tokenizer_json, write_tokenizer
     from safetensors.numpy import save_file
 
@@ -296,6 +369,8 @@ def write_family(
         cfg, t = _gemma3(vocab, eos, rng, layers=layers, hidden=hidden, window=window)
     elif family == "qwen3_moe":
         cfg, t = _qwen3_moe(vocab, eos, rng, layers=layers, hidden=hidden)
+    elif family == "gemma4_text":
+        cfg, t = _gemma4(vocab, eos, rng, layers=layers, hidden=hidden, window=window, moe=moe)
     else:
         cfg, t = _qwen_hybrid(
             family,
