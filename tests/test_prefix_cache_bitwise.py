@@ -14,6 +14,7 @@ defaults. The tiny model is written to disk and loaded as a user would, in float
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -136,11 +137,19 @@ def _kv(cache, n):
     return [(np.array(c.keys[..., :n, :]), np.array(c.values[..., :n, :])) for c in cache]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_split_invariant_prefill_any_split_gives_the_cold_kv_and_logits(target, seed):
+@pytest.fixture(scope="module")
+def qtarget(model_dir):
+    """The same family quantized (nn.QuantizedLinear layers: dequantized per call on this path)."""
+    return md.load_target(str(model_dir("llama", scale=3.0, seed=2)), dtype="float32", quantize=4)
+
+
+@pytest.mark.parametrize("seed,quantized", [(0, False), (1, False), (2, False), (3, True), (4, True)])
+def test_split_invariant_prefill_any_split_gives_the_cold_kv_and_logits(target, qtarget, seed, quantized):
     """Chunks ending anywhere (lone rows too, the grid's boundary crossed or not) give bitwise the
     KV and last logits of one cold prefill: the split-invariant path, not the grid, makes it so."""
-    t, _ = target
+    t, _ = qtarget if quantized else target
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in t.model.named_modules()) == quantized
+    assert split_prefill.supported(t, t.make_cache()) is None
     rng = np.random.default_rng(seed)
     n = int(rng.integers(150, 330))
     ids = _prompt(n, seed=seed + 10)
