@@ -333,6 +333,8 @@ class PrefixCache:
                 "enabled": self.enabled,
                 "mode": self.mode or "off",
                 **({"off": self.off_reason} if self.off_reason else {}),
+                # trim mode: reuse stops anywhere (1, the split-invariant prefill) or on the chunk grid
+                **({"grid": self.grid} if self.mode == "trim" else {}),
                 "slots": self.slots,
                 "in_ram": len(self.ram),
                 "ram_mb": round(sum(e.nbytes for e in self.ram) / 2**20, 2),
