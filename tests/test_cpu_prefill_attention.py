@@ -1,6 +1,7 @@
-"""The CPU prefill attention (kernels/cpu_attention.py): matches MLX's attention on fresh random
-inputs, is routed only inside a prefill chunk, and a long prefill through it gives the same
-last-row logits and the same greedy text as MLX's own kernel."""
+"""The CPU prefill attention (kernels/cpu_attention.py): both ops (the blocked one and the
+split-invariant one) match MLX's attention on fresh random inputs, are routed only inside a
+prefill chunk, and a long prefill through the blocked op (the split-invariant prefill off) gives
+the same last-row logits and the same greedy text as MLX's own kernel."""
 
 from __future__ import annotations
 
@@ -34,10 +35,10 @@ def test_matches_mlx_attention_on_random_inputs(monkeypatch, B, H, Hkv, Lq, Lk, 
         for s in ((B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, D))
     )
     scale = D**-0.5
-    got = cpu_attention.attention(q, k, v, scale)
     ref = _reference(q, k, v, scale)
-    assert got.shape == ref.shape and got.dtype == mx.float32
-    np.testing.assert_allclose(np.array(got), np.array(ref), atol=2e-5, rtol=1e-4)
+    for got in (cpu_attention.attention(q, k, v, scale), cpu_attention.attention_split(q, k, v, scale)):
+        assert got.shape == ref.shape and got.dtype == mx.float32
+        np.testing.assert_allclose(np.array(got), np.array(ref), atol=2e-5, rtol=1e-4)
 
 
 def test_sliced_cache_views_are_read_as_mlx_lays_them_out():
@@ -74,6 +75,23 @@ def test_routed_only_inside_a_prefill_block_and_only_for_long_float32_causal_cal
     np.testing.assert_allclose(np.array(routed), np.array(sdpa(q, k)), atol=2e-5, rtol=1e-4)
 
 
+def test_inside_split_invariant_every_causal_float32_call_goes_to_the_split_op(monkeypatch):
+    calls = []
+    real = cpu_attention.attention_split
+    monkeypatch.setattr(cpu_attention, "attention_split", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    rng = np.random.default_rng(1)
+    q = mx.array(rng.standard_normal((1, 2, 64, 16)).astype(np.float32))
+    k = mx.array(rng.standard_normal((1, 2, 64, 16)).astype(np.float32))
+    sdpa = lambda q, k, mask="causal": mx.fast.scaled_dot_product_attention(q, k, k, scale=0.25, mask=mask)  # noqa: E731
+    with cpu_attention.active(), cpu_attention.split_invariant():
+        sdpa(q[:, :, :3], k)  # far below MIN_SCORES
+        lone = sdpa(q[:, :, :1], k, mask=None)  # a lone row (mlx-lm passes no mask for one query)
+        sdpa(q.astype(mx.float16), k.astype(mx.float16))  # not float32
+        sdpa(q, k, mask=mx.ones((64, 64), dtype=mx.bool_))  # an array mask
+    assert calls == [3, 1]
+    np.testing.assert_allclose(np.array(lone), np.array(sdpa(q[:, :, :1], k, mask=None)), atol=2e-5, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def target(model_dir):
     t, tok = md.load_target(str(model_dir("llama", scale=3.0, seed=2)))
@@ -81,6 +99,7 @@ def target(model_dir):
 
 
 def test_long_prefill_through_it_gives_mlx_logits_and_text(target, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_SPLIT_PREFILL", "off")  # the blocked op and its MIN_SCORES routing
     t, tok = target
     monkeypatch.setattr(loop, "PREFILL_CHUNK", 96)
     prompt = [int(x) for x in np.random.default_rng(5).integers(10, 300, size=400)]

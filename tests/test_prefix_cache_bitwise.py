@@ -209,3 +209,16 @@ def test_what_the_split_path_does_not_serve_says_why(model_dir, monkeypatch):
     t16, _ = md.load_target(str(model_dir("llama", scale=3.0, seed=2)), dtype="bfloat16")
     assert "bfloat16" in split_prefill.supported(t16, t16.make_cache())
     assert not split_prefill.verified(t16) and PrefixCache(t16).grid == CHUNK
+
+
+def test_the_split_path_computes_what_the_other_path_does_to_rounding(target, monkeypatch):
+    """Other bits, same numbers: the split-invariant prefill's last logits match the BLAS path's
+    to float32 rounding, and greedy decoding from both gives the same tokens."""
+    t, tok = target
+    ids = _prompt(300, seed=9)
+    split, _ = loop._prefill(t, t.make_cache(), ids, ())
+    split_res = _generate(t, tok, ids, n=8)
+    monkeypatch.setenv("MLX_DSPARK_SPLIT_PREFILL", "off")
+    other, _ = loop._prefill(t, t.make_cache(), ids, ())
+    np.testing.assert_allclose(np.array(split), np.array(other), atol=1e-4, rtol=1e-4)
+    assert _generate(t, tok, ids, n=8).tokens == split_res.tokens
