@@ -133,8 +133,9 @@ def skip_reason(name: str) -> str | None:
     return None
 
 
-def run_family(name: str, args, root: Path, out: list[str]) -> bool:
-    """Writes the family's lines to `out`; returns whether everything was identical and checked."""
+def run_family(name: str, args, root: Path, out: list[str]) -> str:
+    """Writes the family's lines to `out`; returns ok (every mode identical, a self-check that found
+    an invariant path), failed, or skipped."""
     import mlx_dspark as md
     from mlx_dspark.kernels import invariant_gather
     from mlx_dspark.models import invariance
@@ -147,7 +148,7 @@ def run_family(name: str, args, root: Path, out: list[str]) -> bool:
     if reason:
         say(f"### {name}: SKIPPED: {reason}")
         say()
-        return True
+        return "skipped"
     t0 = time.perf_counter()
     path = write_fixture(name, root)
     target, tok = md.load_target(str(path), dtype=args.dtype, quantize=args.quantize)
@@ -216,7 +217,7 @@ def run_family(name: str, args, root: Path, out: list[str]) -> bool:
         note = first or ("-" if not off else f"speculation off: {off}")
         say(f"| {m} | {same_ids} of {n} | {same_text} of {n} | {rounds} | {widest} | {note} |")
     say("")
-    return ok
+    return "ok" if ok else "failed"
 
 
 def main() -> int:
@@ -235,6 +236,8 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown families {unknown}: expected some of {', '.join(FAMILIES)}")
 
+    # the self-check is what is measured here: never a verdict stored by an earlier run (or version)
+    os.environ.setdefault("MLX_DSPARK_INVARIANT_CACHE", "refresh")
     import mlx.core as mx
 
     from mlx_dspark import benchmark as bm
@@ -243,27 +246,31 @@ def main() -> int:
     lines = [
         f"## Family identity: every mode vs baseline, {args.dtype}{quant}, {bm.device_stamp()}",
         f"`{' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; device {mx.default_device()}, "
-        f"MLX {mx.__version__}, MLX_DSPARK_INVARIANT={os.environ.get('MLX_DSPARK_INVARIANT', 'auto')}; "
+        f"MLX {mx.__version__}, MLX_DSPARK_INVARIANT={os.environ.get('MLX_DSPARK_INVARIANT', 'auto')}, "
+        f"MLX_DSPARK_INVARIANT_CACHE={os.environ['MLX_DSPARK_INVARIANT_CACHE']}; "
         f"{args.prompts} prompts x {args.tokens} tokens, max draft {args.max_draft}, sliding windows {WINDOW}",
         "",
     ]
     for line in lines:
         print(line, flush=True)
     root = Path(tempfile.mkdtemp(prefix="family-identity-"))
-    failed = []
+    failed, skipped = [], []
     for name in names:
         try:
-            if not run_family(name, args, root, lines):
-                failed.append(name)
+            status = run_family(name, args, root, lines)
         except Exception as e:  # one family's crash is reported; the others still run
             msg = f"### {name}: ERROR {type(e).__name__}: {e}"
             print(msg, flush=True)
             traceback.print_exc()
             lines += [msg, ""]
-            failed.append(name)
-    summary = f"**{len(names) - len(failed)} of {len(names)} families identical in every mode**" + (
+            status = "failed"
+        (failed if status == "failed" else skipped if status == "skipped" else []).append(name)
+    ran = len(names) - len(skipped)
+    summary = f"**{ran - len(failed)} of {ran} families run identical in every mode**" + (
         f" (not: {', '.join(failed)})" if failed else ""
     )
+    if skipped:
+        summary += f"; skipped: {', '.join(skipped)}"
     print(summary, flush=True)
     lines += [summary, ""]
     if args.out:

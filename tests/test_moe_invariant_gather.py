@@ -222,26 +222,23 @@ def test_a_broken_body_fails_both_compile_checks():
         assert parse(src_of(bad, "dense", "float32"), stub, f"ig_broken_{lang}")
 
 
-@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="needs nvcc")
-@pytest.mark.parametrize("kind", ["dense", "affine"])
-def test_cuda_instance_compiles_with_nvcc(kind, tmp_path):
-    """The CUDA instance through a real CUDA compiler (nvcc, device code only), with a stand-in for
-    the small part of MLX's default header the kernel text uses."""
+NVCC_PRELUDE = (  # the part of MLX's default CUDA header the kernel text uses
+    "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n#include <cstdint>\n"
+    "namespace mlx { namespace core { namespace cu {\n"
+    "template <class T, int N> struct small_array {\n"
+    "  T v[N];\n  __device__ T operator[](int i) const { return v[i]; }\n};\n"
+    "using Shape = small_array<int32_t, 8>;\nusing Strides = small_array<int64_t, 8>;\n}}}\n"
+)
+needs_nvcc = pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="needs nvcc")
+
+
+def nvcc_compiles(sources: dict, tmp_path) -> None:
+    """Compile kernel texts (cuda_kernel_text; name -> text) with nvcc for sm_90, device code."""
+    import re
     import shutil
     import subprocess
 
-    prelude = (
-        "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cooperative_groups.h>\n#include <cstdint>\n"
-        "namespace mlx { namespace core { namespace cu {\n"
-        "template <class T, int N> struct small_array {\n"
-        "  T v[N];\n  __device__ T operator[](int i) const { return v[i]; }\n};\n"
-        "using Shape = small_array<int32_t, 8>;\nusing Strides = small_array<int64_t, 8>;\n}}}\n"
-    )
-    src = prelude
-    for dt in ("float32", "float16", "bfloat16"):
-        src += _cuda_src(ig.instance("cuda", kind), kind, dt, 4).replace(
-            f"custom_kernel_{ig.instance('cuda', kind).name}", f"k_{dt}"
-        )
+    src = NVCC_PRELUDE + "".join(re.sub(r"custom_kernel_\w+\(", f"k_{n}(", t, count=1) for n, t in sources.items())
     (tmp_path / "k.cu").write_text(src)
     run = subprocess.run(
         [shutil.which("nvcc"), "-std=c++17", "-arch=sm_90", "-c", str(tmp_path / "k.cu"), "-o", str(tmp_path / "k.o")],
@@ -250,6 +247,17 @@ def test_cuda_instance_compiles_with_nvcc(kind, tmp_path):
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kind", ["dense", "affine"])
+def test_cuda_instance_compiles_with_nvcc(kind, tmp_path):
+    """The CUDA instance through a real CUDA compiler (nvcc, device code only)."""
+    srcs = {
+        f"{dt}_{b}": _cuda_src(ig.instance("cuda", kind), kind, dt, b) for dt in ("float32", "bfloat16") for b in (2, 8)
+    }
+    srcs["float16_4"] = _cuda_src(ig.instance("cuda", kind), kind, "float16", 4, idx="int32")
+    nvcc_compiles(srcs, tmp_path)
 
 
 # ---------------------------------------------------------------- routing (stand-in kernel)

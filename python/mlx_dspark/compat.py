@@ -96,28 +96,27 @@ def route_causal_attention_to_invariant_op() -> None:
     """mlx-lm (0.32.x) attention layers call mx.fast.scaled_dot_product_attention (MLX 0.32.x) by
     attribute at call time, with mask "causal" (or None for one query) over a KV cache. Wrap that
     attribute once so that, while kernels.invariant.active() is on in the calling thread, such a
-    call runs the width-invariant op instead (kernels/invariant.py). Calls with an array mask or
-    attention sinks, other threads, and every call outside that block go to MLX's own kernel."""
+    call runs the width-invariant op instead (kernels/invariant.py), and a call with a boolean
+    array mask (a sliding window's verify layout, models/sliding.py) runs kernels/invariant_masked.py.
+    Other masks, attention sinks, other threads, and every call outside that block go to MLX's own
+    kernel."""
     global _sdpa_original
     import mlx.core as mx
 
     if _sdpa_original is not None:
         return
-    from .kernels import invariant
+    from .kernels import invariant, invariant_masked
 
     original = mx.fast.scaled_dot_product_attention
 
     def scaled_dot_product_attention(q, k, v, *args, scale=None, mask=None, sinks=None, **kwargs):
-        if (
-            invariant.is_active()
-            and not args
-            and not kwargs
-            and sinks is None
-            and scale is not None
-            and (mask == "causal" if isinstance(mask, str) else mask is None and q.shape[2] == 1)
-            and invariant.supported(q, k, v)
-        ):
-            return invariant.invariant_attention(q, k, v, float(scale))
+        if invariant.is_active() and not args and not kwargs and sinks is None and scale is not None:
+            if (mask == "causal" if isinstance(mask, str) else mask is None and q.shape[2] == 1) and (
+                invariant.supported(q, k, v)
+            ):
+                return invariant.invariant_attention(q, k, v, float(scale))
+            if invariant_masked.supported(q, k, v, mask):  # a sliding window's verify layout
+                return invariant_masked.attention(q, k, v, float(scale), mask)
         return original(q, k, v, *args, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
     _sdpa_original = original
