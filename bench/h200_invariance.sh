@@ -13,8 +13,8 @@
 #   bash bench/h200_invariance.sh profile               # host time per decode step (profile_invariant_host.py)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
-#   bash bench/h200_invariance.sh families              # MoE expert kernel + hybrid GPU tests, then every mode vs
-#                                                       # baseline per family fixture, bf16, <= ~5 min ($OUT/families.md)
+#   bash bench/h200_invariance.sh families              # MoE expert + masked attention + hybrid GPU tests, then every
+#                                                       # mode vs baseline per family fixture, bf16, <= ~5.5 min ($OUT/families.md)
 #
 # The carry set 'inv' (.device-carry/inv/cNN, CHUNK_MB=35, staged with shared/tools/device-carry/pack.sh):
 #   wheels/   mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0
@@ -98,10 +98,10 @@ for step in "$@"; do
     python3 bench/bench_prefix_cache.py --dtype "${BATCH_DTYPE:-bfloat16}" --rounds 2 --budget-s "${PREFIX_BUDGET:-65}" \
       --prompts "$C/eval" --out "$OUT/batch-h200.md" 2>&1 | tail -8; el ;;
   families)
-    timeout "${FAM_TESTS_LIMIT:-150}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_invariant_gather.py \
-      tests/test_hybrid*.py 2>&1 | tee "$OUT/families-tests.txt" | tail -30
+    timeout "${FAM_TESTS_LIMIT:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_invariant_gather.py \
+      tests/test_kernels_invariant_masked.py tests/test_hybrid*.py 2>&1 | tee "$OUT/families-tests.txt" | tail -30
     el
-    timeout "${FAM_LIMIT:-170}" python3 bench/bench_family_identity.py --dtype bfloat16 --out "$OUT/families.md" 2>&1 \
+    timeout "${FAM_LIMIT:-150}" python3 bench/bench_family_identity.py --dtype bfloat16 --out "$OUT/families.md" 2>&1 \
       | grep -v clean_up | tail -90
     el ;;
   *) echo "unknown step $step"; exit 2 ;;

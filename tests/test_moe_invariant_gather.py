@@ -369,6 +369,10 @@ def test_cpu_kernel_path_keeps_mlx_experts_and_is_invariant(monkeypatch):
 
 # ---------------------------------------------------------------------------------- on the GPU
 needs_cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+# bf16 at every bits / group; float16 and float32 at two of them (the dtype only changes loads and the store)
+GPU_QUANTS = [(mx.bfloat16, b, g) for b, g in QUANTS] + [
+    (d, b, g) for d in (mx.float16, mx.float32) for b, g in [(4, 64), (8, 32)]
+]
 GPU_SHAPES = [(8, 768, 2048, 8), (16, 2048, 768, 4), (4, 72, 136, 2)]  # (E, N, K, top-k)
 
 
@@ -411,8 +415,11 @@ def test_cuda_gather_dense(dtype, layout, shape):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32], ids=["bf16", "f16", "f32"])
-@pytest.mark.parametrize("bits,group", QUANTS)
+@pytest.mark.parametrize(
+    "dtype,bits,group",
+    GPU_QUANTS,
+    ids=[f"{'bf16' if d == mx.bfloat16 else 'f16' if d == mx.float16 else 'f32'}-q{b}g{g}" for d, b, g in GPU_QUANTS],
+)
 @pytest.mark.parametrize("layout", ["gate", "down"])
 def test_cuda_gather_affine(dtype, bits, group, layout):
     E, N, K, k = 8, 512, 1024, 4
