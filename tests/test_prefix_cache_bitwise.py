@@ -222,3 +222,12 @@ def test_the_split_path_computes_what_the_other_path_does_to_rounding(target, mo
     other, _ = loop._prefill(t, t.make_cache(), ids, ())
     np.testing.assert_allclose(np.array(split), np.array(other), atol=1e-4, rtol=1e-4)
     assert _generate(t, tok, ids, n=8).tokens == split_res.tokens
+
+
+def test_the_self_check_catches_an_op_that_depends_on_the_split(target, monkeypatch):
+    """verified() trusts a measurement: with the blocked attention (rows follow their chunk) in
+    place of attention_split, the same self-check fails and the cache would keep the grid."""
+    t, _ = target
+    assert split_prefill._self_check(t)
+    monkeypatch.setattr(cpu_attention, "attention_split", cpu_attention.attention_blocks)
+    assert not split_prefill._self_check(t)

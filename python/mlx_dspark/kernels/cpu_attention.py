@@ -156,14 +156,16 @@ def attention_split(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.a
                 n = r1 - r0
                 lim = -(-(off + r1) // il.VEC) * il.VEC  # keys the block's last row sees, padded
                 qb = mx.array(qs[b, h * rep : (h + 1) * rep, r0:r1].reshape(rep * n, D))
-                s = np.asarray(il.dense(qb, kh[:lim]))  # [rep * n, lim]: a writable view, no copy
+                sm = il.dense(qb, kh[:lim])  # [rep * n, lim]
+                mx.eval(sm)
+                s = np.asarray(sm)  # a view of sm's memory: the softmax below writes it in place
                 d0 = off + r0  # row j of the block sees keys up to d0 + j
                 above = np.arange(lim - d0)[None, :] > np.arange(n)[:, None]
                 s3 = s.reshape(rep, n, lim)
                 np.copyto(s3[:, :, d0:], neg_inf, where=above[None])
                 np.subtract(s, s.max(axis=1, keepdims=True), out=s)
                 np.exp(s, out=s)
-                o = np.asarray(il.dense(mx.array(s), vth[:, :lim]))  # [rep * n, Dv + 1]
+                o = np.asarray(il.dense(sm, vth[:, :lim]))  # [rep * n, Dv + 1], from the exp'd scores
                 out[b, h * rep : (h + 1) * rep, r0:r1] = (o[:, :Dv] / o[:, Dv:]).reshape(rep, n, Dv)
     return mx.array(out)
 
