@@ -124,7 +124,15 @@ def load_from_args(args, *, probe: bool = True):
     from ..models.loading import load_target
 
     model = model_or_demo(args.model)
-    target, tokenizer = load_target(model, dtype=args.dtype, quantize=args.quantize, kv_bits=args.kv_bits, probe=probe)
+    target, tokenizer = load_target(
+        model,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        kv_bits=args.kv_bits,
+        probe=probe,
+        context_window=getattr(args, "context_window", None),
+        rope_scaling=getattr(args, "rope_scaling", "none"),
+    )
     from ..api import drafter_for
 
     drafter = drafter_for(

@@ -43,6 +43,14 @@ def add_parser(sub) -> None:
         help="refuse prompt + max_tokens beyond this (default: the model's own window)",
     )
     g.add_argument(
+        "--rope-scaling",
+        choices=["auto", "yarn", "linear", "none"],
+        default="auto",
+        help="a --context-window past the model's trained window rescales its RoPE positions: yarn, "
+        "linear (position interpolation), or none (positions as trained: past them the model writes "
+        "noise); auto (default) = yarn, unless the model scales its RoPE already. Said at start",
+    )
+    g.add_argument(
         "--default-max-tokens",
         type=positive_int,
         default=4096,
@@ -164,12 +172,7 @@ def run(args) -> int:
         max_kv_mb=args.max_kv_mb,
     )
     if args.context_window and engine.trained_context and args.context_window > engine.trained_context:
-        print(
-            f"mlx-dspark serve: warning: --context-window {args.context_window} is beyond the "
-            f"{engine.trained_context} tokens this model was trained for: it runs, but its answers past that "
-            "length may degrade",
-            file=sys.stderr,
-        )
+        print(f"mlx-dspark serve: warning: {_window_note(args, engine, target)}", file=sys.stderr)
     engine.metrics = Metrics(model=engine.model_id, mode=engine.resolved_mode, version=__version__)
     try:
         server = make_server(
@@ -225,15 +228,40 @@ def run(args) -> int:
     os._exit(0)
 
 
+def _window_note(args, engine, target) -> str:
+    """What a --context-window past the trained one does to this model (models/rope.py)."""
+    from ..models import rope
+
+    head = (
+        f"--context-window {args.context_window} is beyond the {engine.trained_context} tokens this model "
+        "was trained for"
+    )
+    block = getattr(target, "rope_scaling", None)
+    if block:
+        return (
+            f"{head}: its RoPE is scaled ({rope.describe(block)}, --rope-scaling {args.rope_scaling}), which "
+            "changes its answers at every length a little; --rope-scaling none keeps the trained positions"
+        )
+    if args.rope_scaling == "none":
+        why = "--rope-scaling none"
+    elif getattr(target, "rope_scaling_skipped", None):
+        why = "mlx-lm builds this family's RoPE without reading rope_scaling"
+    else:
+        why = f"it scales its RoPE already: {rope.own_scaling(target.config)}"
+    return f"{head} and its RoPE is not rescaled ({why}): answers past that length may be noise"
+
+
 def _prefix_cache(args, target):
     """The server's prefix cache, or None with --no-prefix-cache (or where it cannot run: said once)."""
     if args.no_prefix_cache:
         return None
     from ..serve.prefix_cache import PrefixCache
 
-    pc = PrefixCache(
-        target, slots=args.prefix_cache_slots, max_ram_mb=args.prefix_cache_max_ram_mb, spill_dir=args.prefix_cache_dir
-    )
+    spill = args.prefix_cache_dir
+    block = getattr(target, "rope_scaling", None)
+    if spill and block:  # entries of a rescaled model must never meet the unscaled model's (same weights)
+        spill = os.path.join(spill, f"rope-{block['rope_type']}-x{block['factor']:g}")
+    pc = PrefixCache(target, slots=args.prefix_cache_slots, max_ram_mb=args.prefix_cache_max_ram_mb, spill_dir=spill)
     if not pc.enabled:
         print(f"mlx-dspark serve: prefix cache off: {pc.off_reason}", file=sys.stderr)
         return None

@@ -54,8 +54,13 @@ def load_target(
     kv_bits: int | None = None,
     probe: bool = True,
     taps=(),
+    context_window: int | None = None,
+    rope_scaling: str = "none",
 ) -> tuple[Target, object]:
-    """Load a target and its tokenizer. Returns (target, tokenizer). `model=None`: the demo model."""
+    """Load a target and its tokenizer. Returns (target, tokenizer). `model=None`: the demo model.
+
+    `context_window` past the model's trained window with `rope_scaling` yarn, linear or auto
+    rescales its RoPE (models/rope.py); `target.rope_scaling` is the block applied, or None."""
     from .demo import model_or_demo
 
     model = model_or_demo(model)
@@ -85,9 +90,25 @@ def load_target(
 
     refuse_unsupported_pack(path, source)  # the 1-bit Bonsai pack: a pointer to plain mlx-vlm
 
+    from . import rope
+
+    scaling = rope.plan(rope.read_config(path), context_window, rope_scaling)
+    skipped = None
     try:
         if vlm.wants_vlm(path):  # a multimodal Gemma checkpoint: through mlx-vlm (models/vlm.py)
+            if scaling is not None:
+                raise UserError(f"{option('rope-scaling')} is not supported on multimodal checkpoints: pass none")
             net, tokenizer, config = vlm.load(path)
+        elif scaling is not None:
+            override = rope.model_config(rope.read_config(path), scaling)
+            net, tokenizer, config = mlx_load(str(path), model_config=override, return_config=True)
+            not_taken = rope.not_applied(net, scaling, source)
+            if not_taken and rope_scaling != "auto":
+                raise UserError(not_taken)
+            if not_taken:  # auto: the model as trained, and `serve` says why
+                skipped = not_taken
+                scaling = None
+                net, tokenizer, config = mlx_load(str(path), return_config=True)
         else:
             net, tokenizer, config = mlx_load(str(path), return_config=True)
     except UserError:
@@ -101,6 +122,8 @@ def load_target(
         if mx.default_device() == mx.cpu:
             cast_scales_f32(net)
     target = Target(net, tokenizer, config, name=Path(str(path)).name, kv_bits=kv_bits or None, source=source)
+    target.rope_scaling = scaling
+    target.rope_scaling_skipped = skipped  # why auto left the RoPE as trained, or None
     if probe:
         target.probe(taps)
     return target, tokenizer

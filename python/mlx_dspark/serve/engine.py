@@ -256,6 +256,8 @@ class Engine:
             "mode": self.resolved_mode,
             "max_draft": self.max_draft,
             "context_window": self.context_window,
+            "trained_context": self.trained_context,
+            "rope_scaling": getattr(self.target, "rope_scaling", None),
             "prefix_cache": self.prefix_cache.describe() if self.prefix_cache is not None else None,
             "max_batch": self.max_batch,
             "max_kv_mb": self.max_kv_mb,
