@@ -140,3 +140,33 @@ def test_render_errors_are_client_errors():
 def test_tool_call_arguments_json_round_trip():
     c = ToolCall("f", {"a": [1, 2], "b": "ü"})
     assert json.loads(c.arguments_json()) == {"a": [1, 2], "b": "ü"}
+
+
+def test_tool_fallback_keeps_every_schema_compactly():
+    """The Hermes fallback (templates without tools): one line of whitespace-free JSON per tool,
+    each equal to the tool it came from, so nothing is dropped and the prompt is shorter."""
+    from mlx_dspark.serve.chat import FALLBACK_TOOLS_FOOTER, FALLBACK_TOOLS_HEADER, tools_as_text
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": "Does ü things.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string", "description": "a file"}, "n": {"type": "integer"}},
+                    "required": ["path"],
+                    "additionalProperties": False,
+                },
+            },
+        }
+        for i in range(3)
+    ]
+    out = tools_as_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], tools)
+    system = out[0]["content"]
+    assert system.startswith("Be brief.\n\n" + FALLBACK_TOOLS_HEADER) and system.endswith(FALLBACK_TOOLS_FOOTER)
+    lines = system[len("Be brief.\n\n" + FALLBACK_TOOLS_HEADER) : -len(FALLBACK_TOOLS_FOOTER)].split("\n")
+    assert [json.loads(line) for line in lines] == tools
+    assert all(", " not in line and '": ' not in line for line in lines) and "ü" in lines[0]
+    assert out[1] == {"role": "user", "content": "hi"}

@@ -142,7 +142,7 @@ def test_tools_are_never_dropped_on_a_template_without_tools(smol):
     smol.script.say("Let me look." + CALL)
     r = c.messages.create(model=smol.model, max_tokens=60, messages=msgs, tools=[WEATHER_A])
     p = prompt_of(smol)
-    assert '"name": "get_weather"' in p and "<tools>" in p and "<tool_call>" in p  # the Hermes fallback
+    assert '"name":"get_weather"' in p and "<tools>" in p and "<tool_call>" in p  # the Hermes fallback
     assert [b.type for b in r.content] == ["text", "tool_use"] and r.stop_reason == "tool_use"
     assert r.content[1].name == "get_weather" and r.content[1].input == {"city": "Paris"}
     # the call and its result, sent back, are rendered as text the model can read
