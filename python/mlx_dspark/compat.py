@@ -185,6 +185,33 @@ def _route_experts(originals: dict) -> None:
 
         originals[(cls, "__call__")] = original
         cls.__call__ = routed
+    _route_hadamard(originals)
+
+
+def _route_hadamard(originals: dict) -> None:
+    """mlx-lm (0.32.x) prism_hadamard_qwen35.HadamardQuantizedLinear.__call__ (PrismML Bonsai's
+    2-bit packs; its embedding's as_linear calls it too) rotates x by a per-row blockwise
+    Walsh-Hadamard transform (hadamard_rotate) and runs mx.quantized_matmul (2-bit affine, group
+    128). While kernels.invariant.active() is on and the linear kernels run on a GPU, the same
+    rotation then kernels/invariant_linear.py's affine product; otherwise mlx-lm's own call."""
+    try:
+        from mlx_lm.models.prism_hadamard_qwen35 import HadamardQuantizedLinear, hadamard_rotate
+    except ImportError:  # an mlx-lm without the Bonsai packs
+        return
+    from .kernels import invariant, invariant_linear
+
+    original = HadamardQuantizedLinear.__dict__["__call__"]
+
+    def routed(self, x, _original=original):
+        if invariant.is_active() and invariant_linear.linear_path() in ("cuda", "metal"):
+            xr = hadamard_rotate(x, self.block, self.signs) if self.block else x
+            y = invariant_linear.affine(xr, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)
+            if y is not None:
+                return y
+        return _original(self, x)
+
+    originals[(HadamardQuantizedLinear, "__call__")] = original
+    HadamardQuantizedLinear.__call__ = routed
 
 
 def mlx_lm_tool_call(syntax: str, text: str, tools):
