@@ -173,3 +173,19 @@ def test_serve_says_what_it_does(models, tmp_path):
         models["llama"], tmp_path, "--context-window", str(4 * TRAINED), "--rope-scaling", "none", "--mode", "baseline"
     )
     assert "not rescaled (--rope-scaling none)" in out and health["rope_scaling"] is None
+
+
+def test_spilled_prefix_cache_of_a_scaled_model_is_kept_apart(models, tmp_path):
+    """Prefix-cache entries on disk are keyed by the weights; a rescaled model's KV differs, so
+    its entries go to their own folder and never meet the unscaled model's."""
+    import argparse
+
+    from mlx_dspark.cli.serve import _prefix_cache
+
+    args = argparse.Namespace(
+        no_prefix_cache=False, prefix_cache_slots=2, prefix_cache_max_ram_mb=None, prefix_cache_dir=str(tmp_path)
+    )
+    scaled, _ = load_target(str(models["llama"]), context_window=4 * TRAINED, rope_scaling="yarn")
+    plain, _ = load_target(str(models["llama"]))
+    a, b = _prefix_cache(args, scaled), _prefix_cache(args, plain)
+    assert a.dir.parent == tmp_path / "rope-yarn-x4" and b.dir.parent == tmp_path
