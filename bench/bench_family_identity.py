@@ -8,7 +8,8 @@ Families (tiny random checkpoints written in their real layouts by tests/family_
 tests/vlm_fixtures.py, to a temporary folder, then loaded from that folder as `--model DIR` is,
 at --dtype): qwen3_5 and qwen3_5_moe (hybrid Gated DeltaNet, multimodal layout; MoE), qwen3_next
 (hybrid GDN, MoE), gemma3_text (sliding windows), gemma4_text (mlx-lm's Gemma 4: sliding windows,
-softcap, the MoE block), qwen3_moe (dense KV, MoE experts), and through mlx-vlm when it is
+softcap, the MoE block), qwen3_moe (dense KV, MoE experts), bonsai-2bit (PrismML Bonsai's 2-bit
+Hadamard pack of a qwen3_5 hybrid, mlx-lm's prism_hadamard_qwen35), and through mlx-vlm when it is
 installed gemma3-vlm and gemma4-vlm (else skipped, with the reason printed). The sliding windows
 are 8 tokens: every prompt and generation runs past them.
 
@@ -48,6 +49,7 @@ FAMILIES = {
     "gemma3_text": ("mlx-lm", "gemma3_text", False),
     "gemma4_text": ("mlx-lm", "gemma4_text", True),
     "qwen3_moe": ("mlx-lm", "qwen3_moe", True),
+    "bonsai-2bit": ("mlx-lm", "prism_hadamard_qwen35", False),
     "gemma3-vlm": ("mlx-vlm", "gemma3", False),
     "gemma4-vlm": ("mlx-vlm", "gemma4", False),
 }
@@ -101,6 +103,10 @@ def write_fixture(name: str, root: Path) -> Path:
         from vlm_fixtures import write_vlm_gemma
 
         return write_vlm_gemma(root / name, kind, window=WINDOW, seed=1)
+    if kind == "prism_hadamard_qwen35":
+        from ternary_fixtures import write_ternary
+
+        return write_ternary(root / name, seed=1)
     from family_fixtures import write_family
 
     return write_family(root / name, kind, seed=len(name), window=WINDOW)
