@@ -130,6 +130,48 @@ def drafters(name: str, path: Path, target, root: Path, modes: list[str]) -> dic
     return out
 
 
+def first_moving_layer(target) -> str:
+    """Where the kernel path's rows move with the width: the self-check's prefix and continuation
+    (invariance.rows_match), plain steps against one block, every decoder layer's output tapped;
+    the first layer (and what it holds) whose output row differs, or the logits only. For a
+    family whose self-check did not pick `kernels`; the target is put back on its path."""
+    import mlx.core as mx
+
+    from mlx_dspark.models import invariance
+
+    before = invariance.path_of(target)
+    invariance.set_path(target, "kernels")
+    try:
+        vocab, n_layers, H = max(target.vocab_size, 2), target.num_layers, target.hidden_size
+        ids = mx.array([[(31 * i + 7) % vocab for i in range(29)]], dtype=mx.int32)
+        taps = tuple(range(n_layers))
+
+        def prefilled():
+            cache = target.make_cache()
+            mx.eval(target.forward(ids[:, :23], cache, last_only=True).logits)
+            return cache
+
+        a = prefilled()
+        steps = [target.forward(ids[:, 23 + j : 24 + j], a, taps=taps) for j in range(6)]
+        block = target.forward(ids[:, 23:], prefilled(), taps=taps)
+        mx.eval([s.hidden for s in steps], block.hidden, block.logits)
+        for layer in range(n_layers):
+            sl = slice(layer * H, (layer + 1) * H)
+            for j, s in enumerate(steps):
+                if not mx.array_equal(s.hidden[:, 0, sl], block.hidden[:, j, sl]).item():
+                    mod = target.layers[layer]
+                    parts = [
+                        type(getattr(mod, n)).__name__ for n in ("linear_attn", "self_attn", "mlp") if hasattr(mod, n)
+                    ]
+                    return f"layer {layer} ({type(mod).__name__}: {', '.join(parts)}), row {j} of 6"
+        for j, s in enumerate(steps):
+            if not mx.array_equal(s.logits[:, 0], block.logits[:, j]).item():
+                return f"every layer's rows equal; the logits (final norm / head) differ at row {j}"
+        return "no row differs in this check (the self-check's split block may be what moved)"
+    finally:
+        invariance.set_path(target, before)
+
+
 def skip_reason(name: str) -> str | None:
     if FAMILIES[name][0] == "mlx-vlm":
         try:
@@ -173,6 +215,8 @@ def run_family(name: str, args, root: Path, out: list[str]) -> str:
         + f"; load + self-check {load_s:.1f} s"
         + (f"; refusals: {target.rollback_refusal or ''} {target.tap_refusal or ''}" if target.tap_refusal else "")
     )
+    if verdict not in ("native", "kernels"):
+        say(f"kernel path: rows first move with the width at {first_moving_layer(target)}")
     modes = [m for m in args.modes.split(",") if m and m != "baseline"]
     ds = drafters(name, path, target, root, modes) if not target.tap_refusal else {}
     say("")
