@@ -2,6 +2,8 @@
 
   python bench/bench_invariance.py [--model M] --precision bf16|8|4 [--prompts DIR] [--n 30]
          [--tokens 192] [--modes baseline,lookup,dspark,dspark-nolookup,dflash] [--out FILE.md]
+         [--shard K/S]                # this process takes prompts i with i % S == K (S processes at once)
+  python bench/bench_invariance.py --merge A.json B.json ... [--out FILE.md]   # one summary of the shards
 
 Prompts: the first turn of the first n/5 rows of each eval file (humaneval, math500, mbpp,
 mt-bench, swe-bench), chat template applied. Every mode is compared with `--mode baseline` of
@@ -9,6 +11,7 @@ the same loaded target, token ids AND text. dspark uses the target's registered 
 random fixture drafter written for this target (tests/drafter_fixtures.py: it drafts badly, so
 verify rounds of every width happen). Prints "N of N identical" per mode, with the first
 divergence where there is one. MLX_DSPARK_INVARIANT=off shows the native forward's result.
+Every run also writes its counts next to --out (FILE.json), which --merge sums over shards.
 """
 
 from __future__ import annotations
@@ -66,7 +69,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--modes", default="lookup,dspark,dspark-nolookup,dflash")
     ap.add_argument("--out")
+    ap.add_argument("--shard", default="0/1", help="K/S: prompts i with i %% S == K")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="sum the counts of shard runs")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
+    k, s = (int(x) for x in args.shard.split("/"))
+    if not 0 <= k < s:
+        ap.error(f"--shard {args.shard}: expected K/S with 0 <= K < S")
 
     import mlx_dspark as md
     from mlx_dspark import benchmark as bm
@@ -76,7 +86,7 @@ def main() -> int:
     t0 = time.perf_counter()
     target, tok, model = _package.load_precision(args.model, args.precision)
     load_s = time.perf_counter() - t0
-    prompts = eval_prompts(Path(args.prompts), args.n)
+    prompts = [p for i, p in enumerate(eval_prompts(Path(args.prompts), args.n)) if i % s == k]
     modes = [m for m in args.modes.split(",") if m and m != "baseline"]
     tmp = Path(tempfile.mkdtemp(prefix="inv-bench-"))
     drafters = {}
@@ -94,8 +104,9 @@ def main() -> int:
             target, tok, None, prompt_ids=ids, mode=name, drafter=drafters.get(name), max_new_tokens=args.tokens, **kw
         )
 
+    shard = f" (shard {k} of {s})" if s > 1 else ""
     head = (
-        f"## {Path(model).name} {args.precision}: {len(prompts)} eval prompts, {args.tokens} tokens greedy, "
+        f"## {Path(model).name} {args.precision}: {len(prompts)} eval prompts{shard}, {args.tokens} tokens greedy, "
         f"{bm.device_stamp()}"
     )
     from mlx_dspark.kernels import invariant_linear
@@ -138,16 +149,46 @@ def main() -> int:
             print(f"  {m}: DIFFERS on {detail}", flush=True)
             if first[m] is None:
                 first[m] = detail
-    for m in modes:
-        gm = _geomean(tps[m]) / max(_geomean(tps["baseline"]), 1e-9)
-        line = f"{m:>16} {args.precision:>4}: {same[m]} of {len(prompts)} identical"
-        line += f"; first divergence: {first[m]}" if first[m] else ""
-        line += f"  (decode tok/s x{gm:.3f} baseline, geomean)"
-        lines.append(line)
-    lines.append(f"{'baseline':>16} {args.precision:>4}: {_geomean(tps['baseline']):.1f} tok/s decode (geomean)")
-    lines.append("")
+    counts = {"precision": args.precision, "n": len(prompts), "same": same, "first": first, "tps": tps}
+    if args.out:
+        Path(args.out).with_suffix(".json").write_text(json.dumps(counts))
+    lines += summary(counts)
     bm.emit("\n".join(lines), args.out)
     return 0 if all(same[m] == len(prompts) for m in modes) else 1
+
+
+def summary(c: dict) -> list[str]:
+    """The per-mode lines: N of N identical, the first divergence, speed against baseline."""
+    out = []
+    for m in c["same"]:
+        gm = _geomean(c["tps"][m]) / max(_geomean(c["tps"]["baseline"]), 1e-9)
+        line = f"{m:>16} {c['precision']:>4}: {c['same'][m]} of {c['n']} identical"
+        line += f"; first divergence: {c['first'][m]}" if c["first"][m] else ""
+        line += f"  (decode tok/s x{gm:.3f} baseline, geomean)"
+        out.append(line)
+    out.append(f"{'baseline':>16} {c['precision']:>4}: {_geomean(c['tps']['baseline']):.1f} tok/s decode (geomean)")
+    return out + [""]
+
+
+def merge(files: list[str], out: str | None) -> int:
+    """One summary per precision of shard runs (their FILE.json counts)."""
+    from mlx_dspark import benchmark as bm
+
+    by: dict[str, dict] = {}
+    for f in files:
+        c = json.loads(Path(f).read_text())
+        t = by.setdefault(c["precision"], {**c, "n": 0, "same": dict.fromkeys(c["same"], 0), "tps": {}})
+        t["n"] += c["n"]
+        for m, v in c["same"].items():
+            t["same"][m] += v
+            t["first"][m] = t["first"].get(m) or c["first"][m]
+        for m, v in c["tps"].items():
+            t["tps"].setdefault(m, []).extend(v)
+    lines = [f"## merged: {', '.join(files)}"]
+    for c in by.values():
+        lines += summary(c)
+    bm.emit("\n".join(lines), out)
+    return 0 if all(v == c["n"] for c in by.values() for v in c["same"].values()) else 1
 
 
 def _geomean(xs: list[float]) -> float:

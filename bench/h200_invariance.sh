@@ -6,8 +6,8 @@
 #   bash bench/h200_invariance.sh ftests                # the forward-level GPU property tests (slow: JIT per config)
 #   bash bench/h200_invariance.sh diag                  # which ops move with the row; the path per precision and W
 #   bash bench/h200_invariance.sh identity              # bench_invariance.py per PRECISIONS
-#   bash bench/h200_invariance.sh convert identity-par  # each precision converted + self-checked once, one
-#                                                       # at a time (cached), then identity for all at once
+#   bash bench/h200_invariance.sh convert identity-par  # each precision converted + self-checked once (cached,
+#                                                       # in parallel), then identity: SHARDS processes per precision
 #   bash bench/h200_invariance.sh contrast              # the native forward (MLX_DSPARK_INVARIANT=off)
 #   bash bench/h200_invariance.sh cost                  # bench_invariance_cost.py per PRECISIONS
 #   bash bench/h200_invariance.sh profile               # host time per decode step (profile_invariant_host.py)
@@ -61,19 +61,28 @@ for step in "$@"; do
       el
     done ;;
   convert)
-    for p in $PRECISIONS; do  # GGUF conversion, quantization and the self-check's compiles, alone
+    for p in $PRECISIONS; do  # GGUF conversion, quantization and the self-check's compiles, one process each
       q=$([ "$p" = bf16 ] && echo None || echo "$p")
       python3 -c "import mlx_dspark as md; md.load_target('$MLX_DSPARK_DEMO_GGUF', dtype='bfloat16', quantize=$q)" \
-        2>&1 | grep -v clean_up | tail -3
-      el
-    done ;;
-  identity-par)
-    for p in $PRECISIONS; do  # one process per precision, each with its progress in $OUT/identity-P.log
-      timeout "${ID_LIMIT:-540}" python3 bench/bench_invariance.py --precision "$p" --prompts "$C/eval" --n "$N" \
-        --tokens "$TOKENS" --out "$OUT/identity-$p.md" > "$OUT/identity-$p.log" 2>&1 &
+        > "$OUT/convert-$p.log" 2>&1 &
     done
     wait
-    for p in $PRECISIONS; do grep -v clean_up "$OUT/identity-$p.log" | tail -8; done
+    for p in $PRECISIONS; do grep -v clean_up "$OUT/convert-$p.log" | tail -2; done
+    el ;;
+  identity-par)
+    S=${SHARDS:-2}  # SHARDS processes per precision, each with its progress in $OUT/identity-P-K.log
+    for p in $PRECISIONS; do
+      for k in $(seq 0 $((S - 1))); do
+        timeout "${ID_LIMIT:-540}" python3 bench/bench_invariance.py --precision "$p" --prompts "$C/eval" --n "$N" \
+          --tokens "$TOKENS" --shard "$k/$S" --out "$OUT/identity-$p-$k.md" > "$OUT/identity-$p-$k.log" 2>&1 &
+      done
+    done
+    wait
+    for p in $PRECISIONS; do
+      grep -h DIFFERS "$OUT"/identity-"$p"-*.log
+      python3 bench/bench_invariance.py --merge "$OUT"/identity-"$p"-*.json --out "$OUT/identity-$p.md" \
+        || echo "$p: a shard did not finish or differs (see $OUT/identity-$p-K.log)"
+    done
     el ;;
   contrast)
     for p in ${CONTRAST:-bf16}; do
