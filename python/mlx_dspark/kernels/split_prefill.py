@@ -7,12 +7,14 @@ What a chunk's rows go through inside `context(target)` (each measured on the de
 OpenBLAS preloaded and not: bench/prefix_split_bitwise.py --ops):
   linears    every nn.Linear and nn.QuantizedLinear of the target (a quantized one dequantized
              once per call, as kernels/wide_gemm.py does) through the row-invariant native product
-             of kernels/invariant_linear.py, at any number of rows. OpenBLAS's SGEMM is not
-             row-invariant: its edge tiles reduce in another order than its full ones, and which
-             rows land there follows the chunk's row count and the thread split (rows of a
-             2,048-row product differ from the same rows in a 2,300-row one); MLX's CPU quantized
-             matmul is row-invariant but is not the dense product a long prefill needs for speed.
-             The native product runs at 84-89 GFLOP/s against OpenBLAS's 95-100 at 2,048 rows.
+             of kernels/invariant_linear.py, at any number of rows. OpenBLAS's SGEMM (0.3.21, Haswell
+             kernels) is not row-invariant at any row count measured, 1 to 2,048: the rows of an
+             M-row product differ from the same rows of a 2,300-row one, and how they group
+             changes with the thread count (likely its edge tiles, which sum in another order);
+             so no padding to a minimum row count makes it exact. MLX's CPU quantized matmul is
+             row-invariant (kernels/invariant_linear.py) but is not the dense product a long
+             prefill needs for speed. The native product measured 84-89 GFLOP/s against
+             OpenBLAS's 95-100 at 2,048 rows (576x1536, 1536x576).
   attention  kernels/cpu_attention.attention_split for every chunk (a lone row too), whatever its
              size: per-row scores, max, exp and value sums in an order fixed by the absolute key
              positions.
