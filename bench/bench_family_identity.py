@@ -2,7 +2,7 @@
 
   python bench/bench_family_identity.py [--dtype float32|bfloat16|float16] [--quantize 4|8]
          [--families a,b,...] [--modes baseline,lookup,dspark,dflash,scripted] [--prompts 3] [--tokens 48]
-         [--max-draft 7] [--out FILE.md]
+         [--max-draft 7] [--cli] [--out FILE.md]
 
 Families (tiny random checkpoints written in their real layouts by tests/family_fixtures.py and
 tests/vlm_fixtures.py, to a temporary folder, then loaded from that folder as `--model DIR` is,
@@ -23,7 +23,11 @@ target (tests/drafter_fixtures.py): they draft badly, so most rounds reject at o
 proposes baseline's own continuation with a wrong tail that starts one token later each round (as
 tests/test_loop.py's scripted proposer does), so every accept length 1..max_draft + 1 happens:
 the verify rows past the first are used and every rollback point (KV trim, ring rewind, GDN
-replay) runs. Exit status 1 if any mode differs or any self-check found no invariant path.
+replay) runs. --cli also runs the first prompt through the command line, exactly as a user does
+(`mlx-dspark generate --model DIR --dtype D --json --mode M`, fixture drafters by --drafter): lookup,
+dspark and dflash against the command's own baseline (one process each: slow where kernels
+compile at start, so off by default). Exit status 1 if any mode differs or any self-check found no
+invariant path.
 """
 
 from __future__ import annotations
@@ -128,6 +132,42 @@ def drafters(name: str, path: Path, target, root: Path, modes: list[str]) -> dic
     if "dflash" in modes:
         out["dflash"] = load_drafter(str(write_zlab(root / f"{name}-dflash", view)), target, bits=16)
     return out
+
+
+def cli_rows(name: str, path: Path, root: Path, args, have: dict) -> list[str]:
+    """The first prompt through `python -m mlx_dspark generate ... --json` per mode, against the
+    command's own baseline: table rows."""
+    import json
+    import subprocess
+
+    def run(mode: str) -> dict:
+        cmd = [sys.executable, "-m", "mlx_dspark", "generate", "--model", str(path), "--dtype", args.dtype]
+        cmd += ["--prompt", PROMPTS[0], "--max-new-tokens", str(args.tokens), "--json", "--mode", mode]
+        cmd += ["--max-draft", str(args.max_draft)] if mode != "baseline" else []
+        if args.quantize:
+            cmd += ["--quantize", str(args.quantize)]
+        if mode in ("dspark", "dflash"):
+            cmd += ["--drafter", str(root / f"{name}-{mode}"), "--drafter-bits", "16"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[2:6])} --mode {mode}: exit {r.returncode}: {r.stderr.strip()[-400:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    base = run("baseline")
+    rows = []
+    for m in ("lookup", "dspark", "dflash"):
+        if m != "lookup" and m not in have:
+            continue
+        r = run(m)
+        same_ids, same_text = r["tokens"] == base["tokens"], r["text"] == base["text"]
+        at = first_divergence(r["tokens"], base["tokens"])
+        note = "-" if same_ids and same_text else f"token {at}" if at is not None else "text differs"
+        widest = max(r.get("accept_lengths") or [1])
+        rows.append(
+            f"| cli {m} | {int(same_ids)} of 1 | {int(same_text)} of 1 | {len(r.get('accept_lengths') or [])} | "
+            f"{widest} | {note} |"
+        )
+    return rows
 
 
 def first_moving_layer(target) -> str:
@@ -266,6 +306,10 @@ def run_family(name: str, args, root: Path, out: list[str]) -> str:
         ok = ok and same_ids == n and same_text == n
         note = first or ("-" if not off else f"speculation off: {off}")
         say(f"| {m} | {same_ids} of {n} | {same_text} of {n} | {rounds} | {widest} | {note} |")
+    if args.cli:
+        for row in cli_rows(name, path, root, args, ds):
+            ok = ok and " 1 of 1 | 1 of 1 |" in row
+            say(row)
     say("")
     return "ok" if ok else "failed"
 
@@ -279,6 +323,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=3, help=f"how many of the {len(PROMPTS)} prompts")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--max-draft", type=int, default=7)
+    ap.add_argument("--cli", action="store_true", help="also the first prompt through mlx-dspark generate")
     ap.add_argument("--out")
     args = ap.parse_args()
     names = [f for f in args.families.split(",") if f]
