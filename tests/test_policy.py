@@ -91,15 +91,31 @@ def test_calibration_is_measured_once_stored_and_remeasured_when_the_key_changes
     c = cost_curves.costs_for(tgt)
     assert c.origin == "measured" and c.measured_s <= cost_curves.BUDGET_S + 1
     assert c.widths[:2] == [1, 2] and all(t > 0 for t in c.t_verify)
+    assert c.t_plain > 0 and c.plain == min(c.t_plain, c.verify(1))  # pipelined plain steps, measured
     files = list(cache_dir.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["key"]["mlx"]
     cost_curves._memo.clear()
     again = cost_curves.costs_for(tgt)
-    assert again.origin == "disk" and again.t_verify == c.t_verify
+    assert again.origin == "disk" and again.t_verify == c.t_verify and again.t_plain == c.t_plain
     cost_curves._memo.clear()
     monkeypatch.setattr("mlx_dspark.blas.active_blas", lambda: {"name": "other-blas", "path": None, "fast": True})
     third = cost_curves.costs_for(tgt)  # another BLAS: measured again, stored beside the first
     assert third.origin == "measured" and len(list(cache_dir.glob("*.json"))) == 2
+
+
+def test_plain_rate_is_the_pipelined_step_where_it_is_cheaper_than_a_synced_forward():
+    """On a launch-bound GPU a pipelined plain step costs less than a synchronised width-1 forward:
+    rounds must beat that, so a policy that would draft against t_verify(1) parks against t_plain."""
+    synced = Costs(FLAT.widths, FLAT.t_verify, t_draft=FLAT.t_draft, origin="given")
+    pipelined = Costs(FLAT.widths, FLAT.t_verify, t_draft=FLAT.t_draft, origin="given", t_plain=0.004)
+    assert synced.plain == FLAT.verify(1) and pipelined.plain == 0.004
+    assert Costs([1], [0.01], t_plain=0.02).plain == 0.01  # never above the synced forward
+    s1, s2 = pol.CostPolicy(synced, 8), pol.CostPolicy(pipelined, 8)
+    assert s1.plain_rate == pytest.approx(100.0) and s2.plain_rate == pytest.approx(250.0)
+    for s in (s1, s2):  # the same acceptance seen by both: half the drafted tokens
+        for _ in range(20):
+            s.result("drafter", 4, 2, 100)
+    assert s1.length("drafter", 8, 200) > 0 and s2.length("drafter", 8, 200) == 0
 
 
 def test_calibration_off_keeps_the_fixed_rules(cache_dir, monkeypatch):
