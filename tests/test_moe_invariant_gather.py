@@ -172,43 +172,48 @@ def _parse_tools():
     return tmc.parse, tmc.METAL_STUB, tmc.CUDA_STUB
 
 
-def _metal_src(inst, kind, dt, bits=4, idx="uint32", pairs=10**3):
-    if kind == "dense":
-        ins = [(dt, 4, 10**4), (idx, 1, pairs), (dt, 3, 10**5)]
-        tmpl = [("T", dt)]
-    else:
-        ins = [(dt, 4, 10**4), (idx, 1, pairs), ("uint32", 3, 10**5), (dt, 3, 10**3), (dt, 3, 10**3)]
-        tmpl = [("T", dt), ("BITS", bits)]
-    return kt.metal_kernel_text(inst, ins, [dt], tmpl)
+def _weight_specs(kind, dt, group):
+    """(dtype, ndim) of the weight inputs of a `group`-weight instance."""
+    per = [(dt, 3)] if kind == "dense" else [("uint32", 3), (dt, 3), (dt, 3)]
+    return per * group
+
+
+def _metal_src(inst, kind, dt, bits=4, idx="uint32", pairs=10**3, group=1):
+    ins = [(dt, 4, 10**4), (idx, 1, pairs)] + [(d, n, 10**4) for d, n in _weight_specs(kind, dt, group)]
+    tmpl = [("T", dt)] + ([("BITS", bits)] if kind == "affine" else [])
+    return kt.metal_kernel_text(inst, ins, [dt] * group, tmpl)
 
 
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("idx", ["uint32", "int32"])
-def test_metal_instances_parse(dt, idx):
+@pytest.mark.parametrize("group", [1, 2])
+def test_metal_instances_parse(dt, idx, group):
     parse, metal_stub, _ = _parse_tools()
     # a one-pair call passes idx in Metal's constant address space: the body must take it too
     for pairs in (1, 10**3):
-        src = _metal_src(ig.instance("metal", "dense"), "dense", dt, idx=idx, pairs=pairs)
+        src = _metal_src(ig.instance("metal", "dense", group), "dense", dt, idx=idx, pairs=pairs, group=group)
         assert parse(src, metal_stub, f"ig_metal_{dt}") == []
         for bits in il.BITS:
-            src = _metal_src(ig.instance("metal", "affine"), "affine", dt, bits, idx=idx, pairs=pairs)
+            inst = ig.instance("metal", "affine", group)
+            src = _metal_src(inst, "affine", dt, bits, idx=idx, pairs=pairs, group=group)
             assert parse(src, metal_stub, f"igq{bits}_metal_{dt}") == []
 
 
-def _cuda_src(inst, kind, dt, bits=4, idx="uint32"):
-    if kind == "dense":
-        return kt.cuda_kernel_text(inst, [(dt, 4), (idx, 1), (dt, 3)], [dt], [("T", dt)])
-    ins = [(dt, 4), (idx, 1), ("uint32", 3), (dt, 3), (dt, 3)]
-    return kt.cuda_kernel_text(inst, ins, [dt], [("T", dt), ("BITS", bits)])
+def _cuda_src(inst, kind, dt, bits=4, idx="uint32", group=1):
+    tmpl = [("T", dt)] + ([("BITS", bits)] if kind == "affine" else [])
+    ins = [(dt, 4), (idx, 1)] + _weight_specs(kind, dt, group)
+    return kt.cuda_kernel_text(inst, ins, [dt] * group, tmpl)
 
 
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("idx", ["uint32", "int32"])
-def test_cuda_instances_parse(dt, idx):
+@pytest.mark.parametrize("group", [1, 2])
+def test_cuda_instances_parse(dt, idx, group):
     parse, _, cuda_stub = _parse_tools()
-    assert parse(_cuda_src(ig.instance("cuda", "dense"), "dense", dt, idx=idx), cuda_stub, f"ig_cuda_{dt}") == []
+    src = _cuda_src(ig.instance("cuda", "dense", group), "dense", dt, idx=idx, group=group)
+    assert parse(src, cuda_stub, f"ig_cuda_{dt}") == []
     for bits in il.BITS:
-        src = _cuda_src(ig.instance("cuda", "affine"), "affine", dt, bits, idx=idx)
+        src = _cuda_src(ig.instance("cuda", "affine", group), "affine", dt, bits, idx=idx, group=group)
         assert parse(src, cuda_stub, f"igq{bits}_cuda_{dt}") == []
 
 
@@ -257,6 +262,7 @@ def test_cuda_instance_compiles_with_nvcc(kind, tmp_path):
         f"{dt}_{b}": _cuda_src(ig.instance("cuda", kind), kind, dt, b) for dt in ("float32", "bfloat16") for b in (2, 8)
     }
     srcs["float16_4"] = _cuda_src(ig.instance("cuda", kind), kind, "float16", 4, idx="int32")
+    srcs["bfloat16_4_pair"] = _cuda_src(ig.instance("cuda", kind, 2), kind, "bfloat16", 4, group=2)
     nvcc_compiles(srcs, tmp_path)
 
 
@@ -267,28 +273,32 @@ def stand_in(monkeypatch):
     reference from exactly the inputs, template and launch shape it is given, and records them."""
     calls = []
 
-    def fake(lang, kind):
+    def fake(lang, kind, group=1):
         def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             t = dict(template)
             x, idx = inputs[0], inputs[1]
-            (S_M_N,) = output_shapes
-            *S, M, N = S_M_N
+            *S, M, _ = output_shapes[0]
+            Ns = [shape[-1] for shape in output_shapes]
             P = idx.size
             xb = 1
             for d in x.shape[:-2]:
                 xb *= d
+            assert len(output_shapes) == group and all(tuple(o[:-1]) == tuple(S) + (M,) for o in output_shapes)
             assert idx.ndim == 1 and P % xb == 0 and threadgroup == (il.THREADS, 1, 1)
-            assert grid == (-(-N // il.COLS) * il.THREADS, -(-P * M // ig.ROWS), 1) and t["T"] == x.dtype
+            assert grid == (-(-sum(Ns) // il.COLS) * il.THREADS, -(-P * M // ig.ROWS), 1) and t["T"] == x.dtype
             xs = mx.repeat(x.reshape(xb, M, x.shape[-1]), P // xb, axis=0)  # pair p reads x batch p / rep
-            if kind == "dense":
-                y = ig.invariant_gather_reference(xs, inputs[2], idx)
-            else:
-                wq, s, z = inputs[2:]
-                y = ig.invariant_gather_reference(
-                    xs, wq, idx, s, z, group_size=x.shape[-1] // s.shape[2], bits=t["BITS"]
-                )
-            calls.append((kind, P // xb, tuple(S)))
-            return (y.reshape(S_M_N),)
+            outs = []
+            for g in range(group):
+                if kind == "dense":
+                    y = ig.invariant_gather_reference(xs, inputs[2 + g], idx)
+                else:
+                    wq, s, z = inputs[2 + 3 * g : 5 + 3 * g]
+                    y = ig.invariant_gather_reference(
+                        xs, wq, idx, s, z, group_size=x.shape[-1] // s.shape[2], bits=t["BITS"]
+                    )
+                outs.append(y.reshape(output_shapes[g]))
+            calls.append((kind, P // xb, tuple(S), group))
+            return outs
 
         return run
 
@@ -309,16 +319,36 @@ def test_routing_runs_switch_layers_through_the_op_only_while_active(stand_in, b
         assert not stand_in
         with invariant.active():
             got = lay(x, idx)
-        assert stand_in.pop() == ("affine" if bits else "dense", rep, (5, 2))
+        assert stand_in.pop() == ("affine" if bits else "dense", rep, (5, 2), 1)
         assert got.shape == want.shape and mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
     with invariant.active():  # a SwitchGLU call past 64 pairs: the sorted layout, one x per pair
         glu = SwitchGLU(64, 32, 6)
         x = rand((40, 64), mx.float32, 13)
         idx = routes(40, 6, 2, 14)
         got = glu(x, idx)
-    assert [c[1:] for c in stand_in] == [(1, (80,))] * 3
+    assert [c[1:] for c in stand_in] == [(1, (80,), 2), (1, (80,), 1)]  # gate + up in one launch, then down
     stand_in.clear()
     assert mx.allclose(got, glu(x, idx), atol=1e-4, rtol=1e-4).item() and not stand_in
+
+
+def test_the_pair_shares_one_launch_only_for_the_same_arrays(stand_in):
+    up, gate = _layer(6, 32, 64, mx.float32, 21), _layer(6, 40, 64, mx.float32, 22)
+    x, idx = inputs("gate", 4, 2, 64, mx.float32, 23), routes(4, 6, 2, 24)
+    with ig.pair(up, gate):
+        a = ig.call(up, x, idx)
+        b = ig.call(gate, x, idx)  # the second output of the first launch
+    assert [c[3] for c in stand_in] == [2]
+    assert mx.allclose(a, up(x, idx), atol=1e-4).item() and mx.allclose(b, gate(x, idx), atol=1e-4).item()
+    stand_in.clear()
+    with ig.pair(up, gate):
+        ig.call(up, x, idx)
+        other = inputs("gate", 4, 2, 64, mx.float32, 25)
+        b2 = ig.call(gate, other, idx)  # other x: computed alone, not the stashed output
+    assert [c[3] for c in stand_in] == [2, 1] and mx.allclose(b2, gate(other, idx), atol=1e-4).item()
+    stand_in.clear()
+    with ig.pair(up, _layer(6, 40, 64, mx.float32, 26, bits=4)):  # kinds differ: each alone
+        ig.call(up, x, idx)
+    assert [c[3] for c in stand_in] == [1]
 
 
 def test_layers_the_op_does_not_take_keep_mlx(stand_in):
@@ -334,8 +364,8 @@ def test_layers_the_op_does_not_take_keep_mlx(stand_in):
 
 def test_a_moe_target_on_the_kernel_path_routes_its_experts(stand_in, monkeypatch):
     """qwen3_moe (float32, CPU) forced onto the kernel path with the stand-in expert kernel: the
-    self-check passes, every expert call of a decode forward went through the op (gate / up with
-    one x per token, down with one per pair), and lookup decoding equals baseline."""
+    self-check passes, every expert call of a decode forward went through the op (gate and up in
+    one launch with one x per token, down with one per pair), and lookup decoding equals baseline."""
     monkeypatch.setenv("MLX_DSPARK_INVARIANT", "kernels")
     monkeypatch.setenv("MLX_DSPARK_INVARIANT_CACHE", "off")
     path = write_family(_ROOT / "qwen3_moe", "qwen3_moe", seed=2)
@@ -347,7 +377,8 @@ def test_a_moe_target_on_the_kernel_path_routes_its_experts(stand_in, monkeypatc
     assert not stand_in  # prefill keeps MLX's own op
     mx.eval(tgt.forward(mx.array([[6, 7, 8]]), cache).logits)
     layers = tgt.num_layers
-    assert sorted(stand_in) == sorted([("dense", 2, (1, 3, 2))] * (2 * layers) + [("dense", 1, (1, 3, 2))] * layers)
+    # per layer: gate + up in one launch (one x per token), down alone (one x per pair)
+    assert sorted(stand_in) == sorted([("dense", 2, (1, 3, 2), 2), ("dense", 1, (1, 3, 2), 1)] * layers)
     ids = md.encode_prompt(tok, "the fox def add hello world the fox the fox def add")
     base = md.generate(tgt, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=30)
     look = md.generate(tgt, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=30, max_draft=5)
@@ -435,6 +466,25 @@ def test_cuda_gather_affine(dtype, bits, group, layout):
             f"cuda q{bits}g{group} {dtype} {layout}",
             dtype,
         )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("bits", [0, 4])
+def test_cuda_pair_launch_is_each_weight_alone(bits):
+    """gate and up in one launch give, bitwise, what each gives alone."""
+    E, K, k = 8, 1024, 4
+    with mx.stream(mx.gpu):
+        a, b = experts(E, 512, K, mx.bfloat16, 36, bits), experts(E, 384, K, mx.bfloat16, 37, bits)
+        x, idx = inputs("gate", 9, k, K, mx.bfloat16, 38), routes(9, E, k, 39)
+        if bits:
+            both = ig.gather_affine_gpu(x, *a, idx, bits, second=b)
+            alone = [ig.gather_affine_gpu(x, *w, idx, bits) for w in (a, b)]
+        else:
+            both = ig.gather_gpu(x, a[0], idx, second=b[0])
+            alone = [ig.gather_gpu(x, w[0], idx) for w in (a, b)]
+        for g in range(2):
+            assert mx.array_equal(both[g], alone[g]).item(), f"weight {g} of the pair"
 
 
 MOE_TARGETS = [("qwen3_moe", None), ("qwen3_moe", 4), ("qwen3_5_moe", None), ("qwen3_next", None)]

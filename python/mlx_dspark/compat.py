@@ -167,12 +167,24 @@ def _route_experts(originals: dict) -> None:
     QuantizedSwitchLinear.__call__(x, indices, sorted_indices) by class lookup, which run
     mx.gather_mm / mx.gather_qmm and then add the per-expert bias. While kernels.invariant.active()
     is on, the product runs through kernels/invariant_gather.py where it takes the layer (and the
-    bias is added as mlx-lm adds it); otherwise, and for what it does not take, mlx-lm's own call."""
+    bias is added as mlx-lm adds it); otherwise, and for what it does not take, mlx-lm's own call.
+    SwitchGLU.__call__(x, indices) calls up_proj then gate_proj on the same x and indices: while
+    active it runs inside invariant_gather.pair, so the two are one launch on a GPU."""
     import mlx.core as mx
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
     from .kernels import invariant, invariant_gather
 
+    glu = SwitchGLU.__dict__["__call__"]
+
+    def routed_glu(self, x, indices, _original=glu):  # its up and gate projections: one launch
+        if invariant.is_active():
+            with invariant_gather.pair(self.up_proj, self.gate_proj):
+                return _original(self, x, indices)
+        return _original(self, x, indices)
+
+    originals[(SwitchGLU, "__call__")] = glu
+    SwitchGLU.__call__ = routed_glu
     for cls in (SwitchLinear, QuantizedSwitchLinear):
         original = cls.__dict__["__call__"]
 

@@ -7,7 +7,8 @@
 // (2) every output row equals, bitwise, the dense body (invariant_linear.h) run on that row alone
 //     (M = 1) with that expert's weight;
 // (3) width invariance: the pairs of the first t tokens, t = 1..T (T up to 17), give the rows of the T-token call
-//     bitwise, and the same pairs sorted by expert (mlx-lm sorts from 64 pairs on) give them too.
+//     bitwise, and the same pairs sorted by expert (mlx-lm sorts from 64 pairs on) give them too;
+// (4) two weights in one launch (gate and up) give what each gives alone, bitwise.
 // Prints "OK" and exits 0, else the failure.
 #include "metal_emu.h"
 #include "invariant_linear.h"
@@ -78,27 +79,37 @@ static void launch(int bx_n, int by_n, F body) {
   for (auto& t : th) t.join();
 }
 
-// The gather body: out [P * M * N]; pair p reads x rows (p / rep) * M .. + M.
-static std::vector<float> gather(const Experts& w, const float* x, const uint32_t* idx, int P, int M, int rep) {
+// The gather body over one or two expert weights of one kind (a, b; b may be null): outputs [P * M * N_g].
+static std::vector<std::vector<float>> gather2(const Experts& a, const Experts* b, const float* x, const uint32_t* idx,
+                                               int P, int M, int rep) {
   const int COLS = DS_IL_THREADS / 32;
-  std::vector<float> out((size_t)P * M * w.N, NAN);
-  float* o = out.data();
+  const Experts& w1 = b ? *b : a;
+  const int N1 = b ? b->N : 0;
+  std::vector<std::vector<float>> out{std::vector<float>((size_t)P * M * a.N, NAN),
+                                      std::vector<float>((size_t)P * M * (b ? b->N : 0), NAN)};
+  float* o0 = out[0].data();
+  float* o1 = b ? out[1].data() : o0;
   const int R = P * M;
-  launch((w.N + COLS - 1) / COLS, (R + DS_IL_ROWS - 1) / DS_IL_ROWS, [&](ds_ctx c) {
-    if (!w.bits) {
-      ds_ig_dense<float>(c, x, idx, w.dense.data(), o, P, M, w.N, w.K, w.E, rep);
-    } else if (w.bits == 2) {
-      ds_ig_affine<float, 2>(c, x, idx, w.packed.data(), w.scales.data(), w.biases.data(), o, P, M, w.N, w.K, w.E,
-                             rep, w.group);
-    } else if (w.bits == 4) {
-      ds_ig_affine<float, 4>(c, x, idx, w.packed.data(), w.scales.data(), w.biases.data(), o, P, M, w.N, w.K, w.E,
-                             rep, w.group);
+  launch((a.N + N1 + COLS - 1) / COLS, (R + DS_IL_ROWS - 1) / DS_IL_ROWS, [&](ds_ctx c) {
+#define IG_AFFINE(BB, GG)                                                                                         \
+  ds_ig_affine<float, BB, GG>(c, x, idx, a.packed.data(), a.scales.data(), a.biases.data(), w1.packed.data(),      \
+                              w1.scales.data(), w1.biases.data(), o0, o1, P, M, a.N, N1, a.K, a.E, rep, a.group)
+    if (!a.bits) {
+      if (b) ds_ig_dense<float, 2>(c, x, idx, a.dense.data(), w1.dense.data(), o0, o1, P, M, a.N, N1, a.K, a.E, rep);
+      else ds_ig_dense<float, 1>(c, x, idx, a.dense.data(), a.dense.data(), o0, o0, P, M, a.N, 0, a.K, a.E, rep);
+    } else if (a.bits == 2) {
+      if (b) IG_AFFINE(2, 2); else IG_AFFINE(2, 1);
+    } else if (a.bits == 4) {
+      if (b) IG_AFFINE(4, 2); else IG_AFFINE(4, 1);
     } else {
-      ds_ig_affine<float, 8>(c, x, idx, w.packed.data(), w.scales.data(), w.biases.data(), o, P, M, w.N, w.K, w.E,
-                             rep, w.group);
+      if (b) IG_AFFINE(8, 2); else IG_AFFINE(8, 1);
     }
   });
   return out;
+}
+
+static std::vector<float> gather(const Experts& w, const float* x, const uint32_t* idx, int P, int M, int rep) {
+  return gather2(w, nullptr, x, idx, P, M, rep)[0];
 }
 
 // The dense body (invariant_linear.h) on one x row with expert e's weight alone: [N].
@@ -169,6 +180,15 @@ static int check(int E, int N, int K, int bits, int group, int k, int M, int lay
         return 1;
       }
     }
+  if (layout == 0) {  // (4): a second weight of other N in one launch: each output as that weight alone
+    Experts up = make(E, N + 3, K, bits, group, g);
+    auto both = gather2(w, &up, x.data(), idx.data(), P, M, rep);
+    std::vector<float> alone = gather(up, x.data(), idx.data(), P, M, rep);
+    if (!same(both[0].data(), full.data(), P * M * N) || !same(both[1].data(), alone.data(), P * M * up.N)) {
+      std::printf("bits %d group %d %s: a two-weight launch differs from the weights alone\n", bits, group, what);
+      return 1;
+    }
+  }
   for (int t = 1; t <= T; t += (t < 5 ? 1 : 4)) {  // (3): the first t tokens' pairs
     const int Pt = t * k;
     std::vector<float> part = gather(w, x.data(), idx.data(), Pt, M, rep);

@@ -21,13 +21,19 @@ Paths (`gather_path()`), per backend:
 Bias (SwitchLinear's per-expert bias) is added by the caller after the product, as mlx-lm does.
 
 `call(layer, x, indices)` is what compat.py's routing calls for SwitchLinear / QuantizedSwitchLinear
-while kernels.invariant.active() is on; None means "MLX's own op" (and the self-check judges).
+while kernels.invariant.active() is on; None means "MLX's own op" (and the self-check judges). On a
+GPU a small model's decode is host-bound (kernels/invariant_linear.py says why), so what a layer's
+launch needs is decided once per layer, and SwitchGLU's up and gate projections (same x, same idx)
+run as one launch (`pair`, opened by compat.py around SwitchGLU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+import weakref
 
 import mlx.core as mx
 
@@ -110,12 +116,27 @@ _SHAPES = """  const int P = idx_shape[0];
   const int M = x_shape[x_ndim - 2];
   const int K = x_shape[x_ndim - 1];
 """
-_CALLS = {
-    "dense": "  ds_ig_dense<T>(c, x, idx, w, out, P, M, w_shape[1], K, w_shape[0], P / Xb);\n",
-    "affine": "  ds_ig_affine<T, BITS>(c, x, idx, q, s, z, out, P, M, q_shape[1], K, q_shape[0], P / Xb,\n"
-    "                        K / s_shape[2]);\n",
-}
-_INPUTS = {"dense": ("x", "idx", "w"), "affine": ("x", "idx", "q", "s", "z")}
+
+
+def _call_source(kind: str, G: int) -> str:
+    second = "1" if G > 1 else "0"  # an unused second weight repeats the first (never read: N_1 = 0)
+    o1 = f"o{second}"
+    if kind == "dense":
+        n1 = f"w{second}_shape[1]" if G > 1 else "0"
+        return (
+            f"  ds_ig_dense<T, {G}>(c, x, idx, w0, w{second}, o0, {o1}, P, M, w0_shape[1], {n1}, K, w0_shape[0],"
+            " P / Xb);\n"
+        )
+    n1 = f"q{second}_shape[1]" if G > 1 else "0"
+    return (
+        f"  ds_ig_affine<T, BITS, {G}>(c, x, idx, q0, s0, z0, q{second}, s{second}, z{second}, o0, {o1}, P, M,"
+        f" q0_shape[1], {n1}, K, q0_shape[0], P / Xb, K / s0_shape[2]);\n"
+    )
+
+
+def _inputs(kind: str, G: int) -> tuple:
+    per = ("w",) if kind == "dense" else ("q", "s", "z")
+    return ("x", "idx") + tuple(f"{n}{g}" for g in range(G) for n in per)
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,16 +145,18 @@ def _body() -> str:
     return compact("".join((GPU_DIR / f).read_text() + "\n" for f in files))
 
 
-def instance(lang: str, kind: str) -> Instance:
-    """The `lang` (cuda | metal) instance of the dense or affine expert kernel."""
+def instance(lang: str, kind: str, group: int = 1) -> Instance:
+    """The `lang` (cuda | metal) instance of the dense or affine expert kernel over `group` (1 or 2)
+    weights that take the same x and idx."""
     ctx = _CUDA_CTX if lang == "cuda" else _METAL_CTX
-    name = "ds_invariant_gather" if kind == "dense" else "ds_invariant_qgather"
-    return Instance(name, _INPUTS[kind], ("out",), ctx + _SHAPES + _CALLS[kind], _body())
+    name = ("ds_invariant_gather" if kind == "dense" else "ds_invariant_qgather") + f"_g{group}"
+    outs = tuple(f"o{g}" for g in range(group))
+    return Instance(name, _inputs(kind, group), outs, ctx + _SHAPES + _call_source(kind, group), _body())
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(lang: str, kind: str):
-    inst = instance(lang, kind)
+def _kernel(lang: str, kind: str, group: int = 1):
+    inst = instance(lang, kind, group)
     make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
     return make(
         name=inst.name,
@@ -144,39 +167,37 @@ def _kernel(lang: str, kind: str):
     )
 
 
-def _grid(N: int, R: int) -> tuple:
-    return (-(-N // COLS) * THREADS, -(-R // ROWS), 1)
-
-
-def gather_gpu(x, weight, indices, lang: str = "cuda") -> mx.array:
-    """The dense GPU instance: out [*S, M, N] (tests and benchmarks; layers go through call())."""
-    x, idx, S = operands(x, indices)
-    M, N = x.shape[-2], weight.shape[1]
-    (out,) = _kernel(lang, "dense")(
-        inputs=[x, idx, weight],
-        template=[("T", x.dtype)],
-        grid=_grid(N, idx.size * M),
+def _launch(lang: str, kind: str, x, idx, S: tuple, weights: list, template: list, Ns: tuple) -> list:
+    """One launch over len(Ns) weights (their arrays flattened in `weights`): output g [*S, M, Ns[g]]."""
+    M = x.shape[-2]
+    return _kernel(lang, kind, len(Ns))(
+        inputs=[x, idx] + weights,
+        template=template,
+        grid=(-(-sum(Ns) // COLS) * THREADS, -(-idx.size * M // ROWS), 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[S + (M, N)],
-        output_dtypes=[x.dtype],
+        output_shapes=[S + (M, n) for n in Ns],
+        output_dtypes=[x.dtype] * len(Ns),
     )
-    return out
 
 
-def gather_affine_gpu(x, wq, scales, biases, indices, bits: int, lang: str = "cuda") -> mx.array:
-    """The quantized GPU instance (MLX's affine layout per expert): out [*S, M, N]."""
+def gather_gpu(x, weight, indices, lang: str = "cuda", second=None) -> mx.array | list:
+    """The dense GPU instance: out [*S, M, N] (tests and benchmarks; layers go through call());
+    with `second` (a weight of the same E and K), both outputs of one launch."""
     x, idx, S = operands(x, indices)
-    M, N = x.shape[-2], wq.shape[1]
+    ws = [weight] + ([second] if second is not None else [])
+    outs = _launch(lang, "dense", x, idx, S, ws, [("T", x.dtype)], tuple(w.shape[1] for w in ws))
+    return outs if second is not None else outs[0]
+
+
+def gather_affine_gpu(x, wq, scales, biases, indices, bits: int, lang: str = "cuda", second=None):
+    """The quantized GPU instance (MLX's affine layout per expert): out [*S, M, N]; with `second`
+    = (wq, scales, biases) of the same E, K, bits and group, both outputs of one launch."""
+    x, idx, S = operands(x, indices)
     dt = x.dtype
-    (out,) = _kernel(lang, "affine")(
-        inputs=[x, idx, wq, scales.astype(dt), biases.astype(dt)],
-        template=[("T", dt), ("BITS", bits)],
-        grid=_grid(N, idx.size * M),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[S + (M, N)],
-        output_dtypes=[dt],
-    )
-    return out
+    qs = [(wq, scales, biases)] + ([second] if second is not None else [])
+    ins = [a for q, sc, z in qs for a in (q, sc.astype(dt), z.astype(dt))]
+    outs = _launch(lang, "affine", x, idx, S, ins, [("T", dt), ("BITS", bits)], tuple(q[0].shape[1] for q in qs))
+    return outs if second is not None else outs[0]
 
 
 # ------------------------------------------------------------------------------------ dispatch
@@ -205,9 +226,67 @@ def _gather_path() -> str:
 
 
 def reset() -> None:
-    """Forget the cached paths and the per-dtype scales (after MLX_DSPARK_KERNELS changed)."""
+    """Forget the cached paths and per-layer plans (after MLX_DSPARK_KERNELS changed)."""
     _paths.clear()
-    _cast.clear()
+    _plans.clear()
+
+
+class _Plan:
+    """What a layer's launch needs, decided once per layer (and weight): kind, its arrays (scales and
+    biases in x's dtype, cast once per dtype), N, K, E, and what a second weight must match."""
+
+    def __init__(self, layer, kind: str):
+        self.kind = kind
+        self.weight = layer["weight"]
+        self.E, self.N = self.weight.shape[:2]
+        self.bits = layer.bits if kind == "affine" else 0
+        self.group = layer.group_size if kind == "affine" else 0
+        self.K = self.weight.shape[2] * 32 // self.bits if self.bits else self.weight.shape[2]
+        self.dtype = self.weight.dtype if kind == "dense" else None  # affine: any float x
+        self._quant = (layer["scales"], layer["biases"]) if kind == "affine" else None
+        self._cast: dict = {}
+
+    def takes(self, x: mx.array) -> bool:
+        return x.shape[-1] == self.K and x.dtype in _FLOATS and (self.dtype is None or x.dtype == self.dtype)
+
+    def arrays(self, dt) -> list:
+        if self.kind == "dense":
+            return [self.weight]
+        got = self._cast.get(dt)
+        if got is None:
+            s, z = self._quant
+            got = self._cast[dt] = [self.weight, s.astype(dt), z.astype(dt)]
+        return got
+
+    def template(self, dt) -> list:
+        return [("T", dt)] + ([("BITS", self.bits)] if self.kind == "affine" else [])
+
+    def pairs_with(self, other) -> bool:
+        return (self.kind, self.E, self.K, self.bits, self.group, self.dtype) == (
+            other.kind,
+            other.E,
+            other.K,
+            other.bits,
+            other.group,
+            other.dtype,
+        )
+
+
+_plans: dict = {}  # id(layer) -> (weakref to the layer, its weight, plan or None)
+
+
+def _plan(layer):
+    hit = _plans.get(id(layer))
+    if hit is None or hit[0]() is not layer or hit[1] is not layer.get("weight"):
+        if hit is None or hit[0]() is not layer:
+            weakref.finalize(layer, _plans.pop, id(layer), None)
+        kind = _kind(layer)
+        hit = _plans[id(layer)] = (
+            weakref.ref(layer),
+            layer.get("weight"),
+            None if kind is None else _Plan(layer, kind),
+        )
+    return hit[2]
 
 
 def _kind(layer) -> str | None:
@@ -224,17 +303,22 @@ def _kind(layer) -> str | None:
     return "dense" if w is not None and w.ndim == 3 and w.dtype in _FLOATS and w.shape[2] % VEC == 0 else None
 
 
-_cast: dict = {}  # (id(scales array), dtype) -> (the array, its cast): scales in x's dtype, once
+# ------------------------------------------------------------------------- the gate / up pair
+_local = threading.local()
 
 
-def _as(a: mx.array, dt) -> mx.array:
-    if a.dtype == dt:
-        return a
-    key = (id(a), dt)
-    hit = _cast.get(key)
-    if hit is None or hit[0] is not a:
-        hit = _cast[key] = (a, a.astype(dt))
-    return hit[1]
+@contextlib.contextmanager
+def pair(first, second):
+    """Inside this block (this thread), `first` called on (x, idx) also computes `second` on the
+    same arrays in the same launch, and `second` called next on those very arrays takes that output
+    (compat.py opens it around mlx-lm's SwitchGLU, whose up and gate projections take one x and one
+    idx). Every output column is the same arithmetic as its layer alone."""
+    prev = getattr(_local, "pair", None)
+    _local.pair = [first, second, None]  # the third: (x, idx, second's output) once computed
+    try:
+        yield
+    finally:
+        _local.pair = prev
 
 
 def call(layer, x: mx.array, indices: mx.array) -> mx.array | None:
@@ -243,39 +327,30 @@ def call(layer, x: mx.array, indices: mx.array) -> mx.array | None:
     path = gather_path()
     if path == "mlx" or x.ndim < 2 or x.size == 0 or indices.size == 0:
         return None
-    kind = _kind(layer)
-    if kind is None or x.dtype not in _FLOATS:
-        return None
-    w = layer["weight"]
-    K = w.shape[2] if kind == "dense" else w.shape[2] * 32 // layer.bits
-    if x.shape[-1] != K or (kind == "dense" and x.dtype != w.dtype):
+    plan = _plan(layer)
+    if plan is None or not plan.takes(x):
         return None
     if path == "rowwise":
         return _rowwise(layer, x, indices)
-    if kind == "dense":
-        x, idx, S = operands(x, indices)
-        if -(-idx.size * x.shape[-2] // ROWS) > MAX_GRID_Y:
-            return None
-        return _launch(path, "dense", x, idx, S, [w], [("T", x.dtype)], w.shape[1])
-    x, idx, S = operands(x, indices)
-    if -(-idx.size * x.shape[-2] // ROWS) > MAX_GRID_Y:
+    hint = getattr(_local, "pair", None)
+    if hint is not None and layer is hint[1] and hint[2] is not None:
+        hx, hidx, y = hint[2]
+        hint[2] = None
+        if hx is x and hidx is indices:
+            return y
+    xo, idx, S = operands(x, indices)
+    if -(-idx.size * xo.shape[-2] // ROWS) > MAX_GRID_Y:
         return None
     dt = x.dtype
-    ins = [w, _as(layer["scales"], dt), _as(layer["biases"], dt)]
-    return _launch(path, "affine", x, idx, S, ins, [("T", dt), ("BITS", layer.bits)], w.shape[1])
-
-
-def _launch(lang, kind, x, idx, S, weights, template, N) -> mx.array:
-    M = x.shape[-2]
-    (out,) = _kernel(lang, kind)(
-        inputs=[x, idx] + weights,
-        template=template,
-        grid=_grid(N, idx.size * M),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[S + (M, N)],
-        output_dtypes=[x.dtype],
-    )
-    return out
+    if hint is not None and layer is hint[0]:
+        other = _plan(hint[1])
+        if other is not None and other.takes(x) and plan.pairs_with(other):
+            y, y2 = _launch(
+                path, plan.kind, xo, idx, S, plan.arrays(dt) + other.arrays(dt), plan.template(dt), (plan.N, other.N)
+            )
+            hint[2] = (x, indices, y2)
+            return y
+    return _launch(path, plan.kind, xo, idx, S, plan.arrays(dt), plan.template(dt), (plan.N,))[0]
 
 
 def _rowwise(layer, x, indices) -> mx.array:

@@ -12,12 +12,14 @@
 // Weights: dense W [E, N, K] T, or MLX's affine quantization per expert: Wq [E, N, K * BITS / 32] uint32,
 // scales / biases [E, N, K / GROUP] T (the layout of invariant_linear.h, one matrix per expert).
 // out [P, M, N] T. K must be a multiple of DS_IL_VEC (the launcher checks). An index past the last expert
-// is clamped to it (never read out of bounds; mlx-lm's router cannot produce one).
+// is clamped to it (never read out of bounds; mlx-lm's router cannot produce one). Two weights of one E
+// and K may share a launch (mlx-lm's gate and up projections: same x, same idx), one output each.
 //
-// One warp per output column n (threadgroup x) and per chunk of DS_IL_ROWS consecutive rows r = p * M + m
-// (threadgroup y). Inside a chunk, consecutive rows with the same expert form a block (at most DS_IL_ROWS:
-// the dense kernel's block, with its repeated-last-row slots); the weight row of that expert is read once
-// per block and every row of it runs the dense column's instruction sequence: lane l walks the DS_IL_VEC
+// One warp per output column n (threadgroup x; a column of [N_0 | N_1] for two weights) and per chunk of
+// DS_IL_ROWS consecutive rows r = p * M + m (threadgroup y). Inside a chunk, consecutive rows with the
+// same expert form a block (at most DS_IL_ROWS: the dense kernel's block, with its repeated-last-row
+// slots); the weight row of that expert is read once per block and every row of it runs the dense
+// column's instruction sequence: lane l walks the DS_IL_VEC
 // elements at DS_IL_VEC * l + DS_IL_VEC * 32 * j in order, fma in float, the fixed xor tree, one rounding.
 // Which rows share a block (how many tokens the call has, whether mlx-lm sorted them by expert) changes
 // no row's arithmetic: bit-identical to the row alone and to the dense kernel on W[idx[p]].
@@ -45,15 +47,10 @@ DS_FUNC int ds_ig_block(IP idx, int r0, int r1, int e, int M, int E, int rep, in
   return len;
 }
 
-// Dense experts.
+// Column n of dense experts W [E, N, K] over the rows [c0, c1) of one chunk.
 template <typename T, typename XP, typename IP, typename WP, typename OP>
-DS_FUNC void ds_ig_dense(ds_ctx c, XP x, IP idx, WP w, OP out, int P, int M, int N, int K, int E, int rep) {
-  const int lane = (int)ds_lane(c);
-  const int n = (int)c.bx * ((int)c.nthreads / DS_WARP) + (int)ds_warp(c);
-  const int R = P * M;
-  const int c0 = (int)c.by * DS_IL_ROWS;
-  if (n >= N || c0 >= R) return;  // whole warps only: no barrier in the body
-  const int c1 = c0 + DS_IL_ROWS < R ? c0 + DS_IL_ROWS : R;
+DS_FUNC void ds_ig_dense_rows(XP x, IP idx, WP w, OP out, int c0, int c1, int M, int n, int N, int K, int E,
+                              int rep, int lane) {
   for (int r0 = c0; r0 < c1;) {
     const int e = ds_ig_expert(idx, r0, M, E);
     ds_i64 xo[DS_IL_ROWS];
@@ -71,17 +68,12 @@ DS_FUNC void ds_ig_dense(ds_ctx c, XP x, IP idx, WP w, OP out, int P, int M, int
   }
 }
 
-// Affine-quantized experts, BITS in {2, 4, 8}, GROUP >= 32 (a lane's DS_IL_VEC elements lie in one group).
+// Column n of affine-quantized experts, BITS in {2, 4, 8}, GROUP >= 32 (a lane's DS_IL_VEC elements lie in
+// one group), over the rows [c0, c1) of one chunk.
 template <typename T, int BITS, typename XP, typename IP, typename QP, typename SP, typename OP>
-DS_FUNC void ds_ig_affine(ds_ctx c, XP x, IP idx, QP wq, SP scales, SP biases, OP out, int P, int M, int N, int K,
-                          int E, int rep, int group) {
+DS_FUNC void ds_ig_affine_rows(XP x, IP idx, QP wq, SP scales, SP biases, OP out, int c0, int c1, int M, int n,
+                               int N, int K, int E, int rep, int group, int lane) {
   const ds_u32 mask = (1u << BITS) - 1u;
-  const int lane = (int)ds_lane(c);
-  const int n = (int)c.bx * ((int)c.nthreads / DS_WARP) + (int)ds_warp(c);
-  const int R = P * M;
-  const int c0 = (int)c.by * DS_IL_ROWS;
-  if (n >= N || c0 >= R) return;
-  const int c1 = c0 + DS_IL_ROWS < R ? c0 + DS_IL_ROWS : R;
   for (int r0 = c0; r0 < c1;) {
     const int e = ds_ig_expert(idx, r0, M, E);
     ds_i64 xo[DS_IL_ROWS];
@@ -107,6 +99,40 @@ DS_FUNC void ds_ig_affine(ds_ctx c, XP x, IP idx, QP wq, SP scales, SP biases, O
     }
     ds_il_store<T, false>(acc, r0, r0 + len, n, N, out, out, lane);
     r0 += len;
+  }
+}
+
+// G = 1 or 2 expert weights over one x and one idx (mlx-lm's gate and up projections: one launch), output g
+// [P, M, N_g]; column n of the concatenation [N_0 | N_1] is weight g's column alone. Unused ones repeat 0.
+template <typename T, int G, typename XP, typename IP, typename WP, typename OP>
+DS_FUNC void ds_ig_dense(ds_ctx c, XP x, IP idx, WP w0, WP w1, OP o0, OP o1, int P, int M, int N0, int N1, int K,
+                         int E, int rep) {
+  const int lane = (int)ds_lane(c);
+  const int n = (int)c.bx * ((int)c.nthreads / DS_WARP) + (int)ds_warp(c);
+  const int R = P * M;
+  const int c0 = (int)c.by * DS_IL_ROWS;
+  if (c0 >= R) return;  // whole warps only: no barrier in the body
+  const int c1 = c0 + DS_IL_ROWS < R ? c0 + DS_IL_ROWS : R;
+  if (n < N0) {
+    ds_ig_dense_rows<T>(x, idx, w0, o0, c0, c1, M, n, N0, K, E, rep, lane);
+  } else if (G > 1 && n < N0 + N1) {
+    ds_ig_dense_rows<T>(x, idx, w1, o1, c0, c1, M, n - N0, N1, K, E, rep, lane);
+  }
+}
+
+template <typename T, int BITS, int G, typename XP, typename IP, typename QP, typename SP, typename OP>
+DS_FUNC void ds_ig_affine(ds_ctx c, XP x, IP idx, QP q0, SP s0, SP z0, QP q1, SP s1, SP z1, OP o0, OP o1, int P,
+                          int M, int N0, int N1, int K, int E, int rep, int group) {
+  const int lane = (int)ds_lane(c);
+  const int n = (int)c.bx * ((int)c.nthreads / DS_WARP) + (int)ds_warp(c);
+  const int R = P * M;
+  const int c0 = (int)c.by * DS_IL_ROWS;
+  if (c0 >= R) return;
+  const int c1 = c0 + DS_IL_ROWS < R ? c0 + DS_IL_ROWS : R;
+  if (n < N0) {
+    ds_ig_affine_rows<T, BITS>(x, idx, q0, s0, z0, o0, c0, c1, M, n, N0, K, E, rep, group, lane);
+  } else if (G > 1 && n < N0 + N1) {
+    ds_ig_affine_rows<T, BITS>(x, idx, q1, s1, z1, o1, c0, c1, M, n - N0, N1, K, E, rep, group, lane);
   }
 }
 
