@@ -6,7 +6,8 @@ widths.
 
 Shapes: Qwen3-30B-A3B-like experts (128 experts, hidden 2048, expert width 768, top-8) and
 Qwen3-Next-80B-like ones (512 experts, hidden 2048, width 512, top-10): the gate / up layout (one x
-per token for its k experts) and the down layout (one x per pair); dense in bf16 and MLX affine
+per token for its k experts), both of SwitchGLU's gate and up projections (one launch on the
+kernel path, two gather calls in MLX) and the down layout (one x per pair); dense in bf16 and MLX affine
 4-bit at group 64. The tokens' experts are random and distinct per token; from 64 pairs on the
 pairs are sorted by expert first, as SwitchGLU does. Prints per shape and width the median ms of
 both (interleaved calls), ours / MLX, and ours at T tokens over ours at 1 (a verify row's cost over
@@ -68,35 +69,45 @@ def main() -> int:
     for label, E, hidden, width, k in shapes:
         if not gpu:  # the CPU only checks that the script runs: an eighth of the experts
             E, label = E // 8, f"{label} (E/8)"
-        for layout, K, N in (("gate/up", hidden, width), ("down", width, hidden)):
+        for layout, K, N in (("gate/up", hidden, width), ("gate+up pair", hidden, width), ("down", width, hidden)):
             dense = SwitchLinear(K, N, E, bias=False)
             dense.weight = dense.weight.astype(dtype)
-            layers = [("bf16" if gpu else "f32", dense)]
+            twin = SwitchLinear(K, N, E, bias=False)  # the pair's second weight (gate beside up)
+            twin.weight = twin.weight.astype(dtype)
+            layers = [("bf16" if gpu else "f32", dense, twin)]
             if not args.quick:
-                q = dense.to_quantized(group_size=64, bits=4)
-                q.scales, q.biases = q.scales.astype(dtype), q.biases.astype(dtype)
-                layers.append(("4-bit g64", q))
-            for wname, layer in layers:
+                qs = [lay.to_quantized(group_size=64, bits=4) for lay in (dense, twin)]
+                for q in qs:
+                    q.scales, q.biases = q.scales.astype(dtype), q.biases.astype(dtype)
+                layers.append(("4-bit g64", *qs))
+            for wname, layer, second in layers:
                 one = None
                 for T in tokens:
                     scores = mx.random.uniform(shape=(T, E), key=mx.random.key(T))
                     idx = mx.argsort(scores, axis=-1)[:, :k].astype(mx.uint32)
-                    shape = (T, 1, 1, K) if layout == "gate/up" else (T, k, 1, K)
+                    shape = (T, k, 1, K) if layout == "down" else (T, 1, 1, K)
                     x = mx.random.normal(shape, key=mx.random.key(100 + T)).astype(dtype)
                     sort = T * k >= 64
                     if sort:  # SwitchGLU's sorted call: one x row per pair, pairs by expert
                         flat = idx.flatten()
                         order = mx.argsort(flat)
                         rows = x.reshape(-1, 1, K)
-                        x, idx = rows[order // k if layout == "gate/up" else order], flat[order]
+                        x, idx = rows[order if layout == "down" else order // k], flat[order]
                     mx.eval(x, idx)
 
                     def ours():
                         if path == "rowwise":
+                            if layout == "gate+up pair":
+                                return ig._rowwise(layer, x, idx), ig._rowwise(second, x, idx)
                             return ig._rowwise(layer, x, idx)
+                        if layout == "gate+up pair":  # what SwitchGLU runs on the kernel path: one launch
+                            with ig.pair(layer, second):
+                                return ig.call(layer, x, idx), ig.call(second, x, idx)
                         return ig.call(layer, x, idx)
 
                     def theirs():
+                        if layout == "gate+up pair":
+                            return layer(x, idx, sorted_indices=sort), second(x, idx, sorted_indices=sort)
                         return layer(x, idx, sorted_indices=sort)
 
                     a, b = [], []
