@@ -100,8 +100,9 @@ def test_mid_conversation_system_is_kept_where_the_template_drops_it(qwen):
     )
     assert r.content[0].text == "Hello!" and r.stop_reason == "end_turn"
     p = prompt_of(qwen)
-    # the template renders only messages[0] as system: the later entry joins a user turn
-    assert p.index("TOP-SYSTEM") < p.index("Say hello") < p.index("MID-SYSTEM: the environment is Linux.")
+    # the template renders only messages[0] as system: the later entry joins the user turn, ahead of
+    # the request (which stays the last thing before the answer)
+    assert p.index("TOP-SYSTEM") < p.index("MID-SYSTEM: the environment is Linux.") < p.index("Say hello")
     assert p.count("<|im_start|>system") == 1 and p.rstrip().endswith("<|im_start|>assistant")
     # leading system entries in messages merge with `system`
     ant(qwen).messages.create(
@@ -130,6 +131,40 @@ def test_mid_conversation_system_is_a_system_turn_where_the_template_has_one(smo
             )
         p = prompt_of(smol)
         assert re.search(r"<\|im_start\|>user\n.*Say hello<\|im_end\|>\n<\|im_start\|>system\nMID-SYSTEM", p, re.S), p
+
+
+def test_mid_system_merge_puts_system_text_ahead_of_the_request(smol):
+    """serve --mid-system merge: on a template that renders later system turns (SmolLM2's), their
+    text goes into the user turn, ahead of the user's text; nothing is dropped."""
+    smol.script.say("Hi.")
+    smol.engine.mid_system = "merge"
+    try:
+        ant(smol, KEY).messages.create(model=smol.model, max_tokens=5, system="TOP", messages=CLAUDE_CODE_MESSAGES)
+        p = prompt_of(smol)
+        assert p.count("<|im_start|>system") == 1 and p.index("TOP") < p.index("<|im_start|>user")
+        assert re.search(
+            r"<\|im_start\|>user\nMID-SYSTEM: the environment is Linux\.\n\n<system-reminder>context</system-reminder>"
+            r".*Say hello<\|im_end\|>\n<\|im_start\|>assistant\n$",
+            p,
+            re.S,
+        ), p
+        mid = [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "system", "content": "MID-2"},
+            {"role": "user", "content": "two"},
+        ]
+        oai(smol, KEY).chat.completions.create(model=smol.model, max_tokens=5, messages=mid)
+        assert "<|im_start|>user\nMID-2\n\ntwo<|im_end|>" in prompt_of(smol)
+    finally:
+        smol.engine.mid_system = "turn"
+    assert json.loads(http_get(smol, "/health"))["mid_system"] == "turn"
+
+
+def http_get(srv, path: str) -> str:
+    c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
+    c.request("GET", path, headers={"Authorization": f"Bearer {KEY}"})
+    return c.getresponse().read().decode()
 
 
 # ----------------------------------------------------------------------------- tools without template support

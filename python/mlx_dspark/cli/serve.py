@@ -51,6 +51,15 @@ def add_parser(sub) -> None:
         "noise); auto (default) = yarn, unless the model scales its RoPE already. Said at start",
     )
     g.add_argument(
+        "--mid-system",
+        choices=["turn", "merge"],
+        default="turn",
+        help="a system entry after the first message (Claude Code sends one): a system turn in place "
+        "where the chat template renders one (turn, default), or its text in the user turn next to it, "
+        "ahead of the user's text (merge: small models trained on system-first chats then answer the "
+        "request rather than continue the system text)",
+    )
+    g.add_argument(
         "--default-max-tokens",
         type=positive_int,
         default=4096,
@@ -170,6 +179,7 @@ def run(args) -> int:
         prefix_cache=_prefix_cache(args, target),
         max_batch=args.max_batch,
         max_kv_mb=args.max_kv_mb,
+        mid_system=args.mid_system,
     )
     if args.context_window and engine.trained_context and args.context_window > engine.trained_context:
         print(f"mlx-dspark serve: warning: {_window_note(args, engine, target)}", file=sys.stderr)

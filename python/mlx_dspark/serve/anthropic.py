@@ -302,6 +302,7 @@ def _render(engine: Engine, body: dict, tools, choice: str, thinking: bool | Non
         continue_final=prefill,
         window=engine.context_window,
         refuse=refuse,
+        mid_system=engine.mid_system,
     )
     return text, prefill
 

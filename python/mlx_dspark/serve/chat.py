@@ -133,8 +133,10 @@ def lead_system(messages: list[dict]) -> list[dict]:
 
 
 def merge_mid_system(messages: list[dict]) -> list[dict]:
-    """System entries after the first turn, for templates that refuse or drop them: their text
-    joins the next user turn (or becomes a user turn when none follows)."""
+    """System entries after the first turn, for templates that refuse or drop them (or with
+    `mid_system="merge"`): their text goes ahead of the next user turn's text; ones that end the
+    conversation go ahead of the last user turn's text when it is the last turn (so the user's
+    request stays the last thing before the answer), else they become a user turn."""
     out: list[dict] = []
     pending: list[str] = []
     for i, m in enumerate(messages):
@@ -148,7 +150,10 @@ def merge_mid_system(messages: list[dict]) -> list[dict]:
         out.append(m)
     if pending:
         if out and out[-1]["role"] == "user":
-            out[-1] = {**out[-1], "content": "\n\n".join([out[-1]["content"]] + pending)}
+            out[-1] = {
+                **out[-1],
+                "content": "\n\n".join(pending + ([out[-1]["content"]] if out[-1]["content"] else [])),
+            }
         else:
             out.append({"role": "user", "content": "\n\n".join(pending)})
     return out
@@ -209,11 +214,13 @@ def render(
     continue_final: bool = False,
     window: int | None = None,
     refuse=None,
+    mid_system: str = "turn",
 ) -> str:
     """The prompt text for `messages` through the model's own chat template.
 
     System entries anywhere are kept: leading ones merge into one system turn; later ones are a
-    system turn in place where the template renders one, else they join the next user turn.
+    system turn in place where the template renders one, else (or with `mid_system="merge"`)
+    they join a user turn (`merge_mid_system`).
     Tools go through the template when it renders them, else through `tools_as_text`. With
     `window` and `refuse`, a conversation that surely overflows the window is refused first
     (`refuse_if_surely_over`)."""
@@ -229,6 +236,8 @@ def render(
     messages = lead_system(messages)
     if tools and not template_renders_tools(tokenizer):
         messages, tools = tools_as_text(messages, tools), None
+    if mid_system == "merge":
+        messages = merge_mid_system(messages)
     mid = [m["content"] for m in messages[1:] if m["role"] == "system" and m["content"]]
     try:
         text = None

@@ -130,6 +130,7 @@ class Engine:
         prefix_cache=None,
         max_batch: int = 1,
         max_kv_mb: float | None = None,
+        mid_system: str = "turn",
     ):
         from ..api import generate
 
@@ -149,6 +150,7 @@ class Engine:
         self.trained_context = getattr(target, "max_context", None)
         self.context_window = context_window or self.trained_context or None
         self.default_thinking = default_thinking
+        self.mid_system = mid_system  # "turn" | "merge": how later system entries render (chat.render)
         self.default_sampling = default_sampling or SamplingParams()
         self.default_max_tokens = default_max_tokens
         self.metrics = metrics
@@ -258,6 +260,7 @@ class Engine:
             "context_window": self.context_window,
             "trained_context": self.trained_context,
             "rope_scaling": getattr(self.target, "rope_scaling", None),
+            "mid_system": self.mid_system,
             "prefix_cache": self.prefix_cache.describe() if self.prefix_cache is not None else None,
             "max_batch": self.max_batch,
             "max_kv_mb": self.max_kv_mb,

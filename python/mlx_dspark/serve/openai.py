@@ -307,6 +307,7 @@ def plan_chat(engine: Engine, body: dict) -> Plan:
         template_kwargs=kwargs,
         window=engine.context_window,
         refuse=_refuse,
+        mid_system=engine.mid_system,
     )
     ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
     budget = resolve_max_tokens(engine, n, max_tokens, _refuse)

@@ -254,7 +254,13 @@ def plan_responses(engine: Engine, body: dict) -> Plan:
     store = f.bool("store", True)
     max_tokens = f.int("max_output_tokens", None, lo=1, hi=1 << 31)
     text = chat.render(
-        engine.tokenizer, messages, tools=tools, enable_thinking=thinking, window=engine.context_window, refuse=_refuse
+        engine.tokenizer,
+        messages,
+        tools=tools,
+        enable_thinking=thinking,
+        window=engine.context_window,
+        refuse=_refuse,
+        mid_system=engine.mid_system,
     )
     ids, n = chat.encode_within(engine.tokenizer, text, engine.context_window)
     budget = resolve_max_tokens(engine, n, max_tokens, _refuse)
