@@ -348,6 +348,16 @@ def main() -> int:
     ]
     for line in lines:
         print(line, flush=True)
+    written = 0
+
+    def flush() -> None:  # the report grows family by family: a run cut short keeps what it finished
+        nonlocal written
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write("".join(line + "\n" for line in lines[written:]))
+        written = len(lines)
+
+    flush()
     root = Path(tempfile.mkdtemp(prefix="family-identity-"))
     failed, skipped = [], []
     for name in names:
@@ -360,6 +370,7 @@ def main() -> int:
             lines += [msg, ""]
             status = "failed"
         (failed if status == "failed" else skipped if status == "skipped" else []).append(name)
+        flush()
     ran = len(names) - len(skipped)
     summary = f"**{ran - len(failed)} of {ran} families run identical in every mode**" + (
         f" (not: {', '.join(failed)})" if failed else ""
@@ -368,9 +379,7 @@ def main() -> int:
         summary += f"; skipped: {', '.join(skipped)}"
     print(summary, flush=True)
     lines += [summary, ""]
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n".join(lines) + "\n")
+    flush()
     return 1 if failed else 0
 
 
