@@ -208,6 +208,13 @@ def test_gpu_body_runs_on_cpu_threads(tmp_path):
     kt.run_gpu_body_on_cpu("invariant_linear_emu.cpp", tmp_path)
 
 
+def test_v2_body_equals_v1_bitwise_on_cpu_fibers(tmp_path):
+    """The faster body (kernels/gpu/invariant_linear_v2.h, not launched yet) against v1 on CPU fibers
+    (tests/emulation/invariant_linear_v2_emu.cpp): every output byte equal, random dtypes, kinds, G, C,
+    K, N and M = 1..33, its scalar-load path too, rows invariant."""
+    kt.run_gpu_body_on_cpu("invariant_linear_v2_emu.cpp", tmp_path)
+
+
 # ------------------------------------------------------------------------------ compile checks
 def _parse_tools():
     import test_metal_check as tmc

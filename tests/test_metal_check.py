@@ -40,6 +40,9 @@ typedef unsigned long size_t; typedef unsigned char uint8_t;
 #define DS_VEC(T, N) typedef T T##N __attribute__((ext_vector_type(N)));
 #define DS_VECS(T) DS_VEC(T, 2) DS_VEC(T, 3) DS_VEC(T, 4)
 DS_VECS(float) DS_VECS(half) DS_VECS(int) DS_VECS(uint) DS_VECS(short) DS_VECS(ushort) DS_VECS(bool)
+typedef float packed_float4 __attribute__((ext_vector_type(4)));
+typedef half packed_half4 __attribute__((ext_vector_type(4)));
+typedef ushort packed_ushort4 __attribute__((ext_vector_type(4)));
 namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
@@ -92,6 +95,9 @@ float __bfloat162float(__nv_bfloat16);
 __half __float2half(float);
 __nv_bfloat16 __float2bfloat16(float);
 float __fmaf_rn(float, float, float);
+struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+__half __ushort_as_half(unsigned short);
 namespace cooperative_groups {}
 namespace mlx { namespace core { namespace cu {
 template <class T, int N> struct small_array { T v[N]; T operator[](int i) const; };

@@ -18,6 +18,8 @@
 //   barriers                    DS_BARRIER() (threadgroup memory), DS_BARRIER_ALL() (also device).
 //   types                       ds_i64 / ds_u32 / ds_u64, uint on CUDA, ds_to_float(x) and
 //                               ds_from_float<T>(x) for float / half / bfloat16 on both.
+//   vector loads                ds_load8(p, o): p[0..7] as float in 16-byte loads (Metal: packed
+//                               types; CUDA: where ds_aligned16(p), else the caller loads scalars).
 // Metal passes inputs of fewer than 8 elements in the `constant` address space, so body
 // functions take their input pointers as template parameters (any address space binds).
 #ifndef MLX_DSPARK_DS_PORTABLE_H
@@ -56,6 +58,24 @@ DS_FUNC float ds_to_float(T x) { return static_cast<float>(x); }
 template <typename T>
 DS_FUNC T ds_from_float(float x) { return static_cast<T>(x); }
 DS_FUNC float ds_fma(float a, float b, float c) { return metal::fma(a, b, c); }
+// Eight consecutive elements p[0..7] as float, exactly what ds_to_float gives element by element,
+// in two packed vector loads (packed types need only the element's alignment: always allowed here).
+DS_FUNC bool ds_aligned16(const DS_GLOBAL void*) { return true; }
+DS_FUNC void ds_load8(const DS_GLOBAL float* p, DS_THREAD float* o) {
+  const packed_float4 a = ((const DS_GLOBAL packed_float4*)p)[0], b = ((const DS_GLOBAL packed_float4*)p)[1];
+  for (int e = 0; e < 4; ++e) { o[e] = a[e]; o[4 + e] = b[e]; }
+}
+DS_FUNC void ds_load8(const DS_GLOBAL half* p, DS_THREAD float* o) {
+  const packed_half4 a = ((const DS_GLOBAL packed_half4*)p)[0], b = ((const DS_GLOBAL packed_half4*)p)[1];
+  for (int e = 0; e < 4; ++e) { o[e] = static_cast<float>(a[e]); o[4 + e] = static_cast<float>(b[e]); }
+}
+DS_FUNC void ds_load8(const DS_GLOBAL bfloat16_t* p, DS_THREAD float* o) {  // bfloat16 -> float: the bits << 16
+  const packed_ushort4 a = ((const DS_GLOBAL packed_ushort4*)p)[0], b = ((const DS_GLOBAL packed_ushort4*)p)[1];
+  for (int e = 0; e < 4; ++e) {
+    o[e] = as_type<float>((uint)a[e] << 16);
+    o[4 + e] = as_type<float>((uint)b[e] << 16);
+  }
+}
 
 #else
 // -------------------------------------------------------------------------------- CUDA
@@ -90,6 +110,33 @@ DS_FUNC __half ds_from_float<__half>(float x) { return __float2half(x); }
 template <>
 DS_FUNC __nv_bfloat16 ds_from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 DS_FUNC float ds_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+// Eight consecutive elements p[0..7] as float, exactly what ds_to_float gives element by element,
+// in 16-byte vector loads: only where ds_aligned16(p) (32 bytes in all for float: two loads).
+DS_FUNC bool ds_aligned16(const void* p) { return ((unsigned long long)p & 15ull) == 0ull; }
+DS_FUNC void ds_load8(const float* p, float* o) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+}
+DS_FUNC void ds_load8_words(const void* p, ds_u32* w) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+}
+DS_FUNC void ds_load8(const __half* p, float* o) {  // element 2i: the low half of word i
+  ds_u32 w[4];
+  ds_load8_words(p, w);
+  for (int i = 0; i < 4; ++i) {
+    o[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xffffu)));
+    o[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16)));
+  }
+}
+DS_FUNC void ds_load8(const __nv_bfloat16* p, float* o) {  // bfloat16 -> float: the bits << 16
+  ds_u32 w[4];
+  ds_load8_words(p, w);
+  for (int i = 0; i < 4; ++i) {
+    o[2 * i] = __uint_as_float(w[i] << 16);
+    o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
 #endif
 
 // ------------------------------------------------------------------------ both languages
