@@ -192,11 +192,15 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
         target.trim(cache, w)
         return dt
 
+    plain_cache: list = []
+
     def plain(n: int = PLAIN_STEPS) -> float:
         """Seconds per step of n pipelined plain steps (greedy), as decode/loop.py takes them, on a
-        cache of their own (a recurrent layer cannot roll n one-token steps back)."""
-        pc = target.make_cache()
-        mx.eval(target.forward(mx.array([ctx]), pc, taps=taps, last_only=True).logits)
+        cache of their own that each call extends (a recurrent layer cannot roll them back)."""
+        if not plain_cache:
+            plain_cache.extend(target.make_cache())
+            mx.eval(target.forward(mx.array([ctx]), plain_cache, taps=taps, last_only=True).logits)
+        pc = plain_cache
         t = clock()
         tok, prev = mx.array([draft_ids[0]], dtype=mx.int32), None
         for _ in range(n):
