@@ -211,7 +211,7 @@ def verified(target) -> bool:
 def _self_check(target) -> bool:
     import numpy as np
 
-    from ..decode import loop
+    from . import cpu_attention
 
     cache = target.make_cache()
     if supported(target, cache) is not None:
@@ -223,7 +223,8 @@ def _self_check(target) -> bool:
         c = target.make_cache()
         start = 0
         for end in [*splits, len(ids)]:
-            loop.prefill_chunk(target, c, mx.array(ids[start:end], dtype=mx.int32)[None], ())
+            with context(target), cpu_attention.active():  # as decode/loop.py's prefill_chunk
+                target.forward(mx.array(ids[start:end], dtype=mx.int32)[None], c, taps=(), last_only=True)
             start = end
         mx.eval([x.state for x in c])
         return [(np.array(x.keys[..., : x.offset, :]), np.array(x.values[..., : x.offset, :])) for x in c]
