@@ -3,7 +3,7 @@
 # repo root (or a snapshot of it).
 #
 #   bash bench/h200_invariance.sh setup tests micro     # wheels, GPU unit tests, linear + attention microbench
-#   bash bench/h200_invariance.sh ftests                # the forward-level GPU property tests (slow: JIT per config)
+#   bash bench/h200_invariance.sh ftests                # the forward-level GPU property tests (JIT per config; FT_PAR processes)
 #   bash bench/h200_invariance.sh diag                  # which ops move with the row; the path per precision and W
 #   bash bench/h200_invariance.sh identity              # bench_invariance.py per PRECISIONS
 #   bash bench/h200_invariance.sh convert identity-par  # each precision converted + self-checked once (cached,
@@ -45,9 +45,18 @@ for step in "$@"; do
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_invariant_linear.py \
       tests/test_kernels_invariant_attention.py 2>&1 | tee "$OUT/tests.txt" | tail -40
     el ;;
-  ftests)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_invariant_forward.py -k "${FTESTS:-kernel}" \
-      2>&1 | tee "$OUT/ftests.txt" | tail -40
+  ftests)  # FT_PAR pytest processes (default 5), the collected cases dealt round-robin: each case JIT-compiles its own kernels
+    mapfile -t ids < <(python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider tests/test_invariant_forward.py \
+      -k "${FTESTS:-kernel}" 2>/dev/null | grep '::')
+    P=${FT_PAR:-5}
+    for k in $(seq 0 $((P - 1))); do
+      part=(); for i in "${!ids[@]}"; do [ $((i % P)) = "$k" ] && part+=("${ids[$i]}"); done
+      [ ${#part[@]} -gt 0 ] && timeout "${FT_LIMIT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider -rA "${part[@]}" \
+        > "$OUT/ftests-$k.txt" 2>&1 &
+    done
+    wait
+    cat "$OUT"/ftests-*.txt | grep -E '^(PASSED|FAILED|ERROR|SKIPPED)' | sort | tee "$OUT/ftests.txt"
+    echo "$(grep -c ^PASSED "$OUT/ftests.txt") passed, $(grep -cE '^(FAILED|ERROR)' "$OUT/ftests.txt") failed, $(grep -c ^SKIPPED "$OUT/ftests.txt") skipped of ${#ids[@]}"
     el ;;
   diag)
     python3 bench/diag_invariance.py --out "$OUT/diag.md" > /dev/null; cat "$OUT/diag.md"; el ;;
