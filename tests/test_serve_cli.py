@@ -44,7 +44,12 @@ def env(tmp_path_factory):
     fake.write_text(
         f"#!{sys.executable}\nimport json, os, sys\n"
         "record = {'argv': sys.argv[1:], 'env': dict(os.environ)}\n"
+        "if os.environ.get('FAKE_CLAUDE_HEALTH'):\n"
+        "    import urllib.request\n"
+        "    op = urllib.request.build_opener(urllib.request.ProxyHandler({}))\n"
+        "    record['health'] = json.load(op.open(os.environ['ANTHROPIC_BASE_URL'] + '/health', timeout=30))\n"
         "json.dump(record, open(os.environ['FAKE_CLAUDE_LOG'], 'w'))\n"
+        "sys.exit(int(os.environ.get('FAKE_CLAUDE_RC', '0')))\n"
     )
     fake.chmod(0o755)
     e = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "MLX_DSPARK_", "CLAUDE_CODE_"))}
@@ -81,15 +86,66 @@ def server(env):
         proc.wait()
 
 
-def launcher(env, *args, extra_env=None, path_with_fake=True):
+def launcher(env, *args, extra_env=None, path_with_fake=True, timeout=60):
     e = dict(env["env"], **(extra_env or {}))
     if path_with_fake:
         e["PATH"] = f"{env['bin']}{os.pathsep}{e.get('PATH', '')}"
     else:
         e["PATH"] = str(Path(sys.executable).parent)  # python, but no claude
     return subprocess.run(
-        [sys.executable, "-m", "mlx_dspark", "claude", *args], env=e, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "mlx_dspark", "claude", *args], env=e, capture_output=True, text=True, timeout=timeout
     )
+
+
+def test_launcher_serve_starts_and_stops_its_own_server(env):
+    """--serve: a server of its own with Claude Code's window (at least 32768: the fixture is
+    trained for 4096, so YaRN) and the mid-system entry merged; Claude Code runs as a child against
+    it, its exit status is the launcher's, and the server is gone afterwards."""
+    run = env["base"] / "serve-run"
+    run.mkdir(mode=0o700, exist_ok=True)
+    log = env["base"] / "serve.log"
+    r = launcher(
+        env,
+        "--serve",
+        "--serve-model",
+        str(env["model"]),
+        "--serve-arg=--no-warmup",
+        "--serve-log",
+        str(log),
+        "--",
+        "-p",
+        "Say hello",
+        extra_env={"XDG_RUNTIME_DIR": str(run), "FAKE_CLAUDE_HEALTH": "1", "FAKE_CLAUDE_RC": "3"},
+        timeout=180,
+    )
+    assert r.returncode == 3, r.stderr + log.read_text()
+    got = json.loads(Path(env["env"]["FAKE_CLAUDE_LOG"]).read_text())
+    assert got["argv"] == ["-p", "Say hello"]
+    h = got["health"]
+    assert h["context_window"] == 32768 and h["mid_system"] == "merge", h
+    assert "yarn" in json.dumps(h).lower(), h
+    assert got["env"]["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "8192"  # a quarter of the window
+    assert got["env"]["ANTHROPIC_BASE_URL"].startswith("http://127.0.0.1:")
+    assert "--min-context-window 32768 --mid-system merge" in r.stderr and "server stopped" in r.stderr
+    assert not list((run / "mlx-dspark").glob("*.json"))  # the server exited and took its discovery file
+    assert "stopped" in log.read_text()
+
+    # A window given by the user replaces the default one.
+    r = launcher(
+        env,
+        "--serve",
+        "--serve-model",
+        str(env["model"]),
+        "--serve-arg=--no-warmup",
+        "--serve-arg=--context-window=2048",
+        "--serve-log",
+        str(log),
+        extra_env={"XDG_RUNTIME_DIR": str(run), "FAKE_CLAUDE_HEALTH": "1"},
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr
+    got = json.loads(Path(env["env"]["FAKE_CLAUDE_LOG"]).read_text())
+    assert got["health"]["context_window"] == 2048 and "--min-context-window" not in r.stderr
 
 
 def test_discovery_file_is_private(server, env):

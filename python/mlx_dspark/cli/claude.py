@@ -3,6 +3,10 @@
 It finds the running server (discovery file, else http://127.0.0.1:8080), builds the Claude Code
 environment for the child process only, and replaces itself with `claude`. Nothing is written:
 no shell profile, no settings file, no login.
+
+With `--serve` it starts a server of its own first (`SERVE_DEFAULTS`: a window that holds Claude
+Code's default prompt, its mid-conversation system entry merged into the user turn), runs Claude
+Code as a child, and stops the server when Claude Code exits (its log goes to a file).
 """
 
 from __future__ import annotations
@@ -12,7 +16,11 @@ import json
 import os
 import shlex
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 import urllib.error
 import urllib.request
 
@@ -42,6 +50,21 @@ def add_parser(sub) -> None:
         action="store_true",
         help="print a project .claude/settings.local.json block instead of launching",
     )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="start a server for this session (" + " ".join(SERVE_DEFAULTS) + "), stop it when Claude Code exits",
+    )
+    p.add_argument("--serve-model", metavar="MODEL", help="with --serve: the model to serve (default: the demo model)")
+    p.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="with --serve: one more `mlx-dspark serve` argument, repeatable (--serve-arg=--context-window=65536); "
+        "those given win over the defaults",
+    )
+    p.add_argument("--serve-log", metavar="FILE", help="with --serve: the server's log (default: a temporary file)")
     p.add_argument("claude_args", nargs=argparse.REMAINDER, help="-- then arguments for claude")
 
 
@@ -145,12 +168,98 @@ LOCAL_DEFAULTS = {
 }
 
 
+# What `--serve` starts the server with (bench/results/claude-code-cpu.md): Claude Code's default
+# prompt is ~20k tokens (24 tool schemas), so the window is at least 32768 (the demo model is
+# trained for 8192: YaRN, --rope-scaling auto, holds it); its trailing mid-conversation system
+# entry goes ahead of the request in the user turn (small models then answer the request instead
+# of continuing the system text). Decoding is the server's default (greedy): --serve-arg changes it.
+SERVE_DEFAULTS = ("--min-context-window", "32768", "--mid-system", "merge")
+
+
+def serve_command(args) -> list[str]:
+    """The `mlx-dspark serve` command line `--serve` runs (on a free loopback port)."""
+    cmd = [sys.executable, "-m", "mlx_dspark", "serve", "--host", "127.0.0.1", "--port", "0"]
+    if args.serve_model:
+        cmd += ["--model", args.serve_model]
+    given = {a.split("=", 1)[0] for a in args.serve_arg if a.startswith("--")}
+    defaults = list(SERVE_DEFAULTS)
+    if "--context-window" in given:
+        defaults[0:2] = []
+    cmd += defaults + list(args.serve_arg)  # argparse: the last of a repeated option wins
+    return cmd
+
+
+def start_server(args) -> tuple[subprocess.Popen, int, str]:
+    """Start `serve_command(args)` in its own session (a Ctrl-C for Claude Code does not reach it)
+    and wait until its discovery file names it. Returns (process, port, log path)."""
+    from ..errors import UserError
+    from ..serve import discovery
+
+    if args.serve_log:
+        log_path = os.path.abspath(args.serve_log)
+        log = open(log_path, "ab")
+    else:
+        fd, log_path = tempfile.mkstemp(prefix="mlx-dspark-serve-", suffix=".log")
+        log = os.fdopen(fd, "ab")
+    cmd = serve_command(args)
+    shown = " ".join(shlex.quote(c) for c in ["mlx-dspark", *cmd[3:]])
+    print(f"mlx-dspark claude: starting `{shown}` (log: {log_path})", file=sys.stderr, flush=True)
+    with log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    try:
+        while True:
+            mine = [f["port"] for f in discovery.find() if f.get("pid") == proc.pid]
+            if mine:
+                return proc, mine[0], log_path
+            if proc.poll() is not None:
+                with open(log_path, errors="replace") as f:
+                    tail = "".join(f.readlines()[-8:])
+                raise UserError(f"the server exited with status {proc.returncode} before it was ready:\n{tail}")
+            time.sleep(0.25)
+    except BaseException:  # Ctrl-C while it loads: never leave it running
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def run(args) -> int:
     from ..errors import UserError
 
     extra = list(args.claude_args or [])
     if extra and extra[0] == "--":
         extra = extra[1:]
+    if args.serve:
+        if args.url or args.port is not None:
+            raise UserError("--serve starts a server of its own: leave out --url and --port")
+        if args.print_env or args.print_settings:
+            raise UserError("--serve runs Claude Code with its own server: leave out --print-env / --print-settings")
+        if shutil.which(args.claude) is None:
+            raise UserError(
+                f"`{args.claude}` was not found on PATH: install Claude Code (npm install -g @anthropic-ai/claude-code)"
+            )
+        proc, args.port, log_path = start_server(args)
+        try:
+            return launch(args, extra, child=True)
+        finally:
+            stop_server(proc)
+            print(f"mlx-dspark claude: server stopped (log: {log_path})", file=sys.stderr, flush=True)
+    return launch(args, extra)
+
+
+def launch(args, extra: list[str], child: bool = False) -> int:
+    """Point Claude Code at the located server: replace this process with it, or (`child`) run it
+    as a child and return its exit status."""
+    from ..errors import UserError
+
     url, key, health = locate(args)
     model = args.model or health["model"]
     env_add = claude_env(url, key, model, health.get("context_window"))
@@ -182,5 +291,11 @@ def run(args) -> int:
         )
     print(f"mlx-dspark claude: {model} at {url}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    if child:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Claude Code handles Ctrl-C itself
+        try:
+            return subprocess.call([exe, *extra], env=env)
+        finally:
+            signal.signal(signal.SIGINT, old)
     os.execve(exe, [exe, *extra], env)
     return 0  # not reached

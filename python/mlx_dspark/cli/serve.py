@@ -43,6 +43,15 @@ def add_parser(sub) -> None:
         help="refuse prompt + max_tokens beyond this (default: the model's own window)",
     )
     g.add_argument(
+        "--min-context-window",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="without --context-window: the model's own window, or N where that is smaller (then as "
+        "--context-window N: RoPE rescaled per --rope-scaling). `mlx-dspark claude --serve` passes 32768, "
+        "which holds Claude Code's default prompt",
+    )
+    g.add_argument(
         "--rope-scaling",
         choices=["auto", "yarn", "linear", "none"],
         default="auto",
@@ -161,6 +170,12 @@ def run(args) -> int:
             file=sys.stderr,
         )
     sampling = sampling_from_args(args)
+    if args.min_context_window and args.context_window is None:
+        from ..models.loading import trained_window_of
+
+        trained = trained_window_of(args.model, dtype=args.dtype, quantize=args.quantize)
+        if trained is None or trained < args.min_context_window:
+            args.context_window = args.min_context_window
     target, tokenizer, drafter = load_from_args(args)
     engine = Engine(
         target,

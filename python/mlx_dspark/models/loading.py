@@ -46,6 +46,22 @@ def resolve_model_path(model: str) -> Path:
         ) from None
 
 
+def trained_window_of(model: str | None, *, dtype: str | None = None, quantize: int | None = None) -> int | None:
+    """The window `model` was trained for (its config's max_position_embeddings), or None when it
+    does not say. A .gguf file is converted (cached) as `load_target` would."""
+    from . import rope
+    from .demo import model_or_demo
+
+    model = model_or_demo(model)
+    if str(model).lower().endswith(".gguf"):
+        from .gguf import convert_gguf_cached
+
+        path = convert_gguf_cached(Path(model).expanduser(), dtype=dtype or default_dtype(), quantize=quantize)
+    else:
+        path = resolve_model_path(model)
+    return rope.trained_window(rope.read_config(path))
+
+
 def load_target(
     model: str | None = None,
     *,
