@@ -22,6 +22,14 @@ this layer here" (MLX's own op runs, and the self-check judges the forward). On 
 model's decode is host-bound (each launch costs several times MLX's own product to build:
 bench/profile_invariant_host.py), so sibling layers that take the same input (q/k/v, gate/up:
 `group_siblings`) run as one launch over up to 3 weights.
+
+GPU bodies (`MLX_DSPARK_IL_KERNEL`, read when a layer's plan is made: reset() after changing it):
+  v1 (default)   kernels/gpu/invariant_linear.h: one warp per output column, rows in blocks of 4
+  v2c1/v2c2/v2c4 kernels/gpu/invariant_linear_v2.h: v1's arithmetic bit for bit (so the outputs
+                 are v1's), 16-byte loads, C = 1 / 2 / 4 columns per warp sharing each x load, rows
+                 in passes of 8 / 4 / 1
+  v2             v2 with C by the launch's columns (`v2_cols`): the largest C of 4, 2 that still
+                 leaves V2_MIN_WARPS warps (about 4 per SM on an H200's 132), else 1
 """
 
 from __future__ import annotations
@@ -42,6 +50,12 @@ COLS = THREADS // 32  # output columns per threadgroup
 BITS = (2, 4, 8)
 GROUPS = (32, 64, 128)
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+KERNELS = ("v1", "v2", "v2c1", "v2c2", "v2c4")  # MLX_DSPARK_IL_KERNEL
+V2_MIN_WARPS = 512
+# Metal passes a buffer of fewer than 8 elements in the `constant` address space and the bodies
+# take one pointer type per role: placeholders have 8 elements, and Metal groups no layer whose
+# arrays are smaller (_metal_groupable).
+MIN_DEVICE_ELEMS = 8
 
 
 # ------------------------------------------------------------------------------- reference
@@ -101,7 +115,7 @@ def _inputs(kind: str, G: int) -> tuple[str, ...]:
     return ("x",) + tuple(n for g in range(G) for n in (f"q{g}", f"s{g}", f"z{g}")) + _names(G, "b{}")
 
 
-def _call_source(kind: str, G: int) -> str:
+def _call_source(kind: str, G: int, v2: bool = False) -> str:
     def pick(fmt, g):  # weight g, or weight 0 again where the body takes fewer than 3
         return fmt.format(g if g < G else 0)
 
@@ -116,27 +130,41 @@ def _call_source(kind: str, G: int) -> str:
     )
     if kind == "dense":
         w = ", ".join(pick("w{}", g) for g in range(3))
-        return rows + f"  ds_il_dense<T, {G}, HB>(c, x, {w}, {b}, {o}, M, w0_shape[0], {n}, K);\n"
+        fn = "ds_il2_dense<T, C" if v2 else "ds_il_dense<T"
+        return rows + f"  {fn}, {G}, HB>(c, x, {w}, {b}, {o}, M, w0_shape[0], {n}, K);\n"
     q = ", ".join(f"{pick('q{}', g)}, {pick('s{}', g)}, {pick('z{}', g)}" for g in range(3))
     n = ", ".join(f"{pick('q{}', g)}_shape[0]" if g < G else "0" for g in range(1, 3))
-    return rows + f"  ds_il_affine<T, BITS, {G}, HB>(c, x, {q}, {b}, {o}, M, q0_shape[0], {n}, K, K / s0_shape[1]);\n"
+    fn = "ds_il2_affine<T, BITS, C" if v2 else "ds_il_affine<T, BITS"
+    return rows + f"  {fn}, {G}, HB>(c, x, {q}, {b}, {o}, M, q0_shape[0], {n}, K, K / s0_shape[1]);\n"
 
 
 @functools.lru_cache(maxsize=None)
-def _body() -> str:
-    return compact("".join((GPU_DIR / f).read_text() + "\n" for f in ("ds_portable.h", "invariant_linear.h")))
+def _body(v2: bool = False) -> str:
+    files = ("ds_portable.h", "invariant_linear_v2.h" if v2 else "invariant_linear.h")
+    return compact("".join((GPU_DIR / f).read_text() + "\n" for f in files))
 
 
-def instance(lang: str, kind: str, group: int = 1) -> Instance:
-    """The `lang` (cuda | metal) instance of the dense or affine kernel over `group` weights."""
+def instance(lang: str, kind: str, group: int = 1, v2: bool = False) -> Instance:
+    """The `lang` (cuda | metal) instance of the dense or affine kernel over `group` weights; `v2`:
+    the v2 body (template C: columns per warp, besides v1's T, BITS, HB)."""
     ctx = _CUDA_CTX if lang == "cuda" else _METAL_CTX
-    name = ("ds_invariant_linear" if kind == "dense" else "ds_invariant_qlinear") + f"_g{group}"
-    return Instance(name, _inputs(kind, group), _names(group, "o{}"), ctx + _call_source(kind, group), _body())
+    name = ("ds_invariant_linear" if kind == "dense" else "ds_invariant_qlinear") + ("2" if v2 else "") + f"_g{group}"
+    src = ctx + _call_source(kind, group, v2)
+    return Instance(name, _inputs(kind, group), _names(group, "o{}"), src, _body(v2))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(lang: str, kind: str, group: int = 1):
-    inst = instance(lang, kind, group)
+    return _make(lang, instance(lang, kind, group))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_v2(lang: str, kind: str, group: int = 1):
+    """The v2 kernel (one per kind and group; C is a template argument of each launch)."""
+    return _make(lang, instance(lang, kind, group, v2=True))
+
+
+def _make(lang: str, inst: Instance):
     make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
     return make(
         name=inst.name,
@@ -152,41 +180,79 @@ _placeholders: dict = {}
 
 def _no_bias(dtype) -> mx.array:
     z = _placeholders.get(dtype)
-    if z is None:
-        z = _placeholders[dtype] = mx.zeros((1,), dtype=dtype)
+    if z is None:  # never read (HB says so), but a device buffer on Metal like the real biases
+        z = _placeholders[dtype] = mx.zeros((MIN_DEVICE_ELEMS,), dtype=dtype)
     return z
 
 
-def _launch(kern, inputs, template, lead: tuple, Ns: tuple, dtypes: list) -> list:
-    """One launch; x = inputs[0] is [*lead, K] as it comes, output g is [*lead, Ns[g]]."""
+def kernel_choice() -> str:
+    """MLX_DSPARK_IL_KERNEL (KERNELS; default v1): the GPU body new plans launch."""
+    k = os.environ.get("MLX_DSPARK_IL_KERNEL", "").strip().lower() or "v1"
+    if k not in KERNELS:
+        import warnings
+
+        warnings.warn(f"MLX_DSPARK_IL_KERNEL={k!r} is not one of {', '.join(KERNELS)}: using v1", stacklevel=2)
+        return "v1"
+    return k
+
+
+def v2_cols(Ns, kernel: str = "v2") -> int:
+    """C, the columns per warp of a v2 launch over output widths Ns: v2cC's C, or for "v2" the
+    largest of 4, 2 that leaves at least V2_MIN_WARPS warps (small launches keep their warps), else 1."""
+    if kernel.startswith("v2c"):
+        return int(kernel[3:])
+    for C in (4, 2):
+        if sum(-(-n // C) for n in Ns) >= V2_MIN_WARPS:
+            return C
+    return 1
+
+
+def grid(Ns, C: int = 1) -> tuple:
+    """The launch grid over output widths Ns: ceil(N_g / C) warps per weight (v1: C = 1, one warp
+    per column), THREADS per threadgroup."""
+    warps = sum(-(-n // C) for n in Ns)
+    return (-(-warps // (THREADS // 32)) * THREADS, 1, 1)
+
+
+def _launch(kern, inputs, template, lead: tuple, Ns: tuple, dtypes: list, grid_=None) -> list:
+    """One launch; x = inputs[0] is [*lead, K] as it comes, output g is [*lead, Ns[g]]; grid_:
+    a v2 plan's grid (v1's is computed here)."""
     return kern(
         inputs=inputs,
         template=template,
-        grid=(-(-sum(Ns) // COLS) * THREADS, 1, 1),
+        grid=grid_ or (-(-sum(Ns) // COLS) * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[lead + (n,) for n in Ns],
         output_dtypes=dtypes,
     )
 
 
-def dense_gpu(x2, weight, bias=None, lang: str = "cuda") -> mx.array:
-    """The GPU instance on x2 [M, K] (tests and benchmarks; layers go through call())."""
-    return _dense_gpu_plan([weight], [bias], lang)(x2)[0]
+# Tests and benchmarks (layers go through call()); kernel: a name of KERNELS, None for the env's.
+def dense_gpu(x2, weight, bias=None, lang: str = "cuda", kernel: str | None = None) -> mx.array:
+    """The GPU instance on x2 [M, K]."""
+    return _dense_gpu_plan([weight], [bias], lang, kernel)(x2)[0]
 
 
-def affine_gpu(x2, wq, scales, biases, bits: int, bias=None, lang: str = "cuda") -> mx.array:
-    """The quantized GPU instance on x2 [M, K] (tests and benchmarks; layers go through call())."""
-    return _affine_gpu_plan([(wq, scales, biases)], bits, [bias], lang)(x2)[0]
+def affine_gpu(x2, wq, scales, biases, bits: int, bias=None, lang: str = "cuda", kernel: str | None = None):
+    """The quantized GPU instance on x2 [M, K]."""
+    return _affine_gpu_plan([(wq, scales, biases)], bits, [bias], lang, kernel)(x2)[0]
 
 
-def dense_gpu_group(x2, weights, biases, lang: str = "cuda") -> list:
-    """Several dense weights over one input in one launch (tests and benchmarks)."""
-    return _dense_gpu_plan(list(weights), list(biases), lang)(x2)
+def dense_gpu_group(x2, weights, biases, lang: str = "cuda", kernel: str | None = None) -> list:
+    """Several dense weights over one input in one launch."""
+    return _dense_gpu_plan(list(weights), list(biases), lang, kernel)(x2)
 
 
-def affine_gpu_group(x2, quants, bits: int, biases, lang: str = "cuda") -> list:
+def affine_gpu_group(x2, quants, bits: int, biases, lang: str = "cuda", kernel: str | None = None) -> list:
     """Several affine weights (wq, scales, biases) over one input in one launch."""
-    return _affine_gpu_plan(list(quants), bits, list(biases), lang)(x2)
+    return _affine_gpu_plan(list(quants), bits, list(biases), lang, kernel)(x2)
+
+
+def layer_plan(layer, kernel: str | None = None, as_linear: bool = False):
+    """x -> the layer's product on the GPU path with `kernel` (one launch, no sibling grouping), or
+    None where the layer has none (benchmarks: each kernel's plan built once, timed side by side)."""
+    got = _gpu_plan([layer], as_linear, linear_path(), kernel)
+    return None if got is None else _first(got)
 
 
 # ------------------------------------------------------------------------------------ dispatch
@@ -276,12 +342,14 @@ def _first(group_plan):
     return plan
 
 
-def _gpu_plan(layers: list, as_linear: bool, path: str):
+def _gpu_plan(layers: list, as_linear: bool, path: str, kernel: str | None = None):
     """One launch over these layers' weights (one input, len(layers) outputs), or None where the
     layers are not all of one kind this path takes (different kinds, bits, groups, dtypes, K)."""
     if path not in ("cuda", "metal") or not layers:
         return None
     biases = [None if as_linear or "bias" not in lay else lay["bias"] for lay in layers]
+    if path == "metal" and len(layers) > 1 and not _metal_groupable(layers, biases):
+        return None
     first = layers[0]
     if isinstance(first, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         ok = all(
@@ -296,7 +364,7 @@ def _gpu_plan(layers: list, as_linear: bool, path: str):
         if not ok or first.bits not in BITS or first.group_size not in GROUPS:
             return None
         quants = [(lay["weight"], lay["scales"], lay["biases"]) for lay in layers]
-        return _affine_gpu_plan(quants, first.bits, biases, path)
+        return _affine_gpu_plan(quants, first.bits, biases, path, kernel)
     if isinstance(first, (nn.Linear, nn.Embedding)):
         w0 = first["weight"]
         ok = all(
@@ -308,8 +376,17 @@ def _gpu_plan(layers: list, as_linear: bool, path: str):
         )
         if not ok or w0.ndim != 2 or w0.dtype not in _FLOATS or w0.shape[1] % VEC:
             return None
-        return _dense_gpu_plan([lay["weight"] for lay in layers], biases, path)
+        return _dense_gpu_plan([lay["weight"] for lay in layers], biases, path, kernel)
     return None
+
+
+def _metal_groupable(layers: list, biases: list) -> bool:
+    """Every array a Metal group launch passes is a device buffer (>= MIN_DEVICE_ELEMS elements):
+    the body takes the G weights' pointers of one role as one type, and a `constant` one among
+    `device` ones does not compile."""
+    arrays = [b for b in biases if b is not None]
+    arrays += [lay[k] for lay in layers for k in ("weight", "scales", "biases") if k in lay]
+    return all(a.size >= MIN_DEVICE_ELEMS for a in arrays)
 
 
 # ------------------------------------------------------------------------- sibling layers
@@ -427,29 +504,41 @@ def _dense_plan(weight: mx.array, bias, path: str):
     return plan
 
 
-def _dense_gpu_plan(weights: list, biases: list, lang: str):
+def _gpu_kernel(lang: str, kind: str, G: int, Ns: tuple, kernel: str | None):
+    """(kernel, its C template entries, grid) for a launch over output widths Ns; kernel: a name
+    of KERNELS, None for MLX_DSPARK_IL_KERNEL's."""
+    kernel = kernel or kernel_choice()
+    if kernel == "v1":
+        return _kernel(lang, kind, G), [], None
+    C = v2_cols(Ns, kernel)
+    return _kernel_v2(lang, kind, G), [("C", C)], grid(Ns, C)
+
+
+def _dense_gpu_plan(weights: list, biases: list, lang: str, kernel: str | None = None):
     G = len(weights)
     K = weights[0].shape[1]
     dt = weights[0].dtype
     Ns = tuple(w.shape[0] for w in weights)
-    kern = _kernel(lang, "dense", G)
+    kern, cols, grid_ = _gpu_kernel(lang, "dense", G, Ns, kernel)
     fixed = list(weights) + [b.astype(dt) if b is not None else _no_bias(dt) for b in biases]
-    template = [("T", dt), ("HB", sum(1 << g for g, b in enumerate(biases) if b is not None))]
+    template = [("T", dt)] + cols + [("HB", sum(1 << g for g, b in enumerate(biases) if b is not None))]
     dtypes = [dt] * G
 
     def plan(x):
         if x.dtype != dt or x.shape[-1] != K or x.size == 0:
             return None
-        return _launch(kern, [x] + fixed, template, x.shape[:-1], Ns, dtypes)
+        if grid_ is None:  # v1 (bench/profile_invariant_host.py stands in for _launch's six arguments)
+            return _launch(kern, [x] + fixed, template, x.shape[:-1], Ns, dtypes)
+        return _launch(kern, [x] + fixed, template, x.shape[:-1], Ns, dtypes, grid_)
 
     return plan
 
 
-def _affine_gpu_plan(quants: list, bits: int, biases: list, lang: str):
+def _affine_gpu_plan(quants: list, bits: int, biases: list, lang: str, kernel: str | None = None):
     G = len(quants)
     K = quants[0][0].shape[1] * 32 // bits
     Ns = tuple(q[0].shape[0] for q in quants)
-    kern = _kernel(lang, "affine", G)
+    kern, cols, grid_ = _gpu_kernel(lang, "affine", G, Ns, kernel)
     hb = sum(1 << g for g, b in enumerate(biases) if b is not None)
     fixed: dict = {}  # x dtype -> (the inputs after x, the template)
 
@@ -461,7 +550,9 @@ def _affine_gpu_plan(quants: list, bits: int, biases: list, lang: str):
         if got is None:
             ins = [a for wq, s, z in quants for a in (wq, s.astype(dt), z.astype(dt))]
             ins += [b.astype(dt) if b is not None else _no_bias(dt) for b in biases]
-            got = fixed[dt] = (ins, [("T", dt), ("BITS", bits), ("HB", hb)], [dt] * G)
-        return _launch(kern, [x] + got[0], got[1], x.shape[:-1], Ns, got[2])
+            got = fixed[dt] = (ins, [("T", dt), ("BITS", bits)] + cols + [("HB", hb)], [dt] * G)
+        if grid_ is None:
+            return _launch(kern, [x] + got[0], got[1], x.shape[:-1], Ns, got[2])
+        return _launch(kern, [x] + got[0], got[1], x.shape[:-1], Ns, got[2], grid_)
 
     return plan

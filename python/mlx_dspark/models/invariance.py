@@ -131,7 +131,9 @@ def _verdict_key(target, mode: str) -> dict:
         "kv_bits": target.kv_bits,
         "mode": mode,
         "width": decode_width(),
-        "env": {k: os.environ.get(k, "") for k in ("MLX_DSPARK_KERNELS", "MLX_DSPARK_GDN_KERNEL")},
+        "env": {
+            k: os.environ.get(k, "") for k in ("MLX_DSPARK_KERNELS", "MLX_DSPARK_GDN_KERNEL", "MLX_DSPARK_IL_KERNEL")
+        },
     }
 
 
