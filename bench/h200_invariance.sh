@@ -14,10 +14,13 @@
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
 #   bash bench/h200_invariance.sh families              # MoE expert + masked attention + hybrid GPU tests, then every
-#                                                       # mode vs baseline per family fixture, bf16, <= ~5.5 min ($OUT/families.md)
+#                                                       # mode vs baseline per family fixture, bf16, <= ~6 min ($OUT/families.md);
+#                                                       # gemma3-vlm / gemma4-vlm run only where wheels/ has mlx-vlm (else SKIPPED)
 #
 # The carry set 'inv' (.device-carry/inv/cNN, CHUNK_MB=35, staged with shared/tools/device-carry/pack.sh):
-#   wheels/   mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0
+#   wheels/   mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0; for the mlx-vlm Gemmas also
+#             mlx_vlm-0.7.10-py3-none-any.whl (3.4 MB, pure Python; what it imports to load a Gemma, pillow,
+#             requests, tqdm, jinja2, sentencepiece and transformers >= 5.14, is in the image: KINDS.md)
 #   SmolLM2-135M-Instruct.Q4_1.gguf   the demo model; bf16 = its dequantized conversion, 8/4-bit = convert --quantize
 #   eval/     shared/data/prompts/eval
 # Results go to $OUT (one .md per step) and are copied into bench/results/ here.
@@ -79,11 +82,11 @@ for step in "$@"; do
     for p in $PRECISIONS; do grep -v clean_up "$OUT/convert-$p.log" | tail -2; done
     el ;;
   identity-par)
-    S=${SHARDS:-2}  # SHARDS processes per precision, each with its progress in $OUT/identity-P-K.log
+    S=${SHARDS:-2}  # SHARDS processes per precision, progress in $OUT/identity-P-K.log; MAX_DRAFT=auto: the CLI's cap
     for p in $PRECISIONS; do
       for k in $(seq 0 $((S - 1))); do
         timeout "${ID_LIMIT:-540}" python3 bench/bench_invariance.py --precision "$p" --prompts "$C/eval" --n "$N" \
-          --tokens "$TOKENS" --shard "$k/$S" --out "$OUT/identity-$p-$k.md" > "$OUT/identity-$p-$k.log" 2>&1 &
+          --tokens "$TOKENS" --shard "$k/$S" ${MAX_DRAFT:+--max-draft "$MAX_DRAFT"} --out "$OUT/identity-$p-$k.md" > "$OUT/identity-$p-$k.log" 2>&1 &
       done
     done
     wait
@@ -119,7 +122,8 @@ for step in "$@"; do
     timeout "${FAM_TESTS_LIMIT:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_invariant_gather.py \
       tests/test_kernels_invariant_masked.py tests/test_hybrid*.py 2>&1 | tee "$OUT/families-tests.txt" | tail -30
     el
-    timeout "${FAM_LIMIT:-150}" python3 bench/bench_family_identity.py --dtype bfloat16 --out "$OUT/families.md" 2>&1 \
+    python3 -c "import mlx_vlm" 2>/dev/null && vlm=40 || { vlm=0; echo "no mlx_vlm: gemma3-vlm, gemma4-vlm skipped"; }
+    timeout "${FAM_LIMIT:-$((150 + vlm))}" python3 bench/bench_family_identity.py --dtype bfloat16 --out "$OUT/families.md" 2>&1 \
       | grep -v clean_up | tail -90
     el ;;
   *) echo "unknown step $step"; exit 2 ;;
