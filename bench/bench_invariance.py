@@ -70,6 +70,12 @@ def main() -> int:
     ap.add_argument("--modes", default="lookup,dspark,dspark-nolookup,dflash")
     ap.add_argument("--out")
     ap.add_argument("--shard", default="0/1", help="K/S: prompts i with i %% S == K")
+    ap.add_argument(
+        "--max-draft",
+        default=None,
+        help="the drafting modes' cap: unset = the Python API's default (every round the full block: "
+        "the most verify widths), 'auto' = the CLI's default (the measured cost model), or N",
+    )
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="sum the counts of shard runs")
     args = ap.parse_args()
     if args.merge:
@@ -96,10 +102,12 @@ def main() -> int:
         drafters["dspark"] = drafter_for(target, "dspark", None)
 
     def run(mode: str, ids: list[int]):
-        kw = {}
+        kw = (
+            {} if args.max_draft is None else {"max_draft": "auto" if args.max_draft == "auto" else int(args.max_draft)}
+        )
         name = mode
         if mode == "dspark-nolookup":
-            name, kw = "dspark", {"lookup_drafts": False}
+            name, kw = "dspark", {**kw, "lookup_drafts": False}
         return md.generate(
             target, tok, None, prompt_ids=ids, mode=name, drafter=drafters.get(name), max_new_tokens=args.tokens, **kw
         )
@@ -107,7 +115,7 @@ def main() -> int:
     shard = f" (shard {k} of {s})" if s > 1 else ""
     head = (
         f"## {Path(model).name} {args.precision}: {len(prompts)} eval prompts{shard}, {args.tokens} tokens greedy, "
-        f"{bm.device_stamp()}"
+        f"max draft {args.max_draft or 'the full block'}, {bm.device_stamp()}"
     )
     from mlx_dspark.kernels import invariant_linear
     from mlx_dspark.models import invariance
