@@ -4,6 +4,7 @@ product (x @ W.T, or mx.quantized_matmul) at decode and verify widths.
   python bench/bench_invariant_linear.py [--reps 50] [--quick] [--out FILE.md]
   python bench/bench_invariant_linear.py --cpu-kernels [--reps 15] [--out FILE.md]
   python bench/bench_invariant_linear.py --cpu-verify [--reps 5] [--out FILE.md]
+  python bench/bench_invariant_linear.py --gpu-kernels [--reps 30] [--quick] [--out FILE.md]
 
 Shapes: the demo SmolLM2-135M projections and lm_head, and Qwen3-4B-like ones; dense in the
 default float dtype (bf16 on a GPU, float32 on the CPU) and MLX affine 4- and 8-bit at group 64
@@ -21,6 +22,14 @@ comes from memory as in a forward (the whole model does not fit the cache) and n
 --cpu-verify (float32, on the CPU): the demo target's whole forward of w = 1..16 tokens over a
 200-token cache on the invariant-kernel path, with the CPU linears on the `rows` kernel and on
 the `tiled` one (interleaved, medians), and MLX's own forward (path native) beside them.
+
+--gpu-kernels (GPU): the linear bodies side by side (MLX_DSPARK_IL_KERNEL's choices: v1, v2c1,
+v2c2, v2c4, and v2 with the C it picks) and MLX's own layer, on SmolLM2-135M's shapes at
+M = 1, 2, 4, 8, 16, bf16 dense and 8- / 4-bit affine at group 64. Each figure: the median over
+--reps of the wall time of one evaluation of BATCH calls, per call (us), the sides interleaved;
+each call reads its own copy of the weight (copies totalling ROTATE_GPU_BYTES, past the H200's
+50 MB L2: from HBM, as in a forward). Every v2 output is checked bitwise against v1's (column
+"=v1"). A small shape's figure is mostly the launch's host cost (a decode forward's too).
 """
 
 from __future__ import annotations
@@ -48,6 +57,14 @@ CPU_SHAPES = [  # (label, K, N): SmolLM2-135M
 ]
 CPU_WIDTHS = (1, 2, 4, 8, 16, 17, 32)
 ROTATE_BYTES = 64 << 20
+GPU_SHAPES = [(label, K, (N,)) for label, K, N in CPU_SHAPES] + [  # (label, K, Ns): SmolLM2-135M
+    ("q+k+v one launch", 576, (576, 192, 192)),
+    ("gate+up one launch", 576, (1536, 1536)),
+]
+GPU_SIDES = ("v1", "v2c1", "v2c2", "v2c4", "v2")
+ROTATE_GPU_BYTES = 160 << 20
+MAX_COPIES = 2048
+BATCH = 16
 
 
 def cpu_kernels(reps: int) -> list[str]:
@@ -184,6 +201,109 @@ def cpu_verify(reps: int) -> list[str]:
     return lines
 
 
+def _gpu_layers(kind: str, K: int, Ns: tuple, dtype, copies: int) -> list:
+    """`copies` lists of layers K -> N for N in Ns (views of one allocation per N): nn.Linear, or
+    QuantizedLinear for kind qBgG."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    out = [[] for _ in range(copies)]
+    for N in Ns:
+        w = (mx.random.normal((copies * N, K), key=mx.random.key(K * 7 + N)) * 0.05).astype(dtype)
+        if kind != "bf16":
+            bits, group = int(kind[1]), int(kind.split("g")[1])
+            wq, sc, bi = mx.quantize(w, group_size=group, bits=bits)
+            sc, bi = sc.astype(dtype), bi.astype(dtype)
+            mx.eval(wq, sc, bi)
+        else:
+            mx.eval(w)
+        for i in range(copies):
+            rows = slice(i * N, (i + 1) * N)
+            if kind == "bf16":
+                layer = nn.Linear(K, N, bias=False)
+                layer.update({"weight": w[rows]})
+            else:
+                layer = nn.QuantizedLinear(K, N, bias=False, group_size=group, bits=bits)
+                layer.update({"weight": wq[rows], "scales": sc[rows], "biases": bi[rows]})
+            out[i].append(layer)
+    return out
+
+
+def gpu_kernels(reps: int, quick: bool) -> list[str]:
+    """The --gpu-kernels table (module docstring): us per call of each body and of MLX's layer."""
+    import statistics
+
+    import mlx.core as mx
+
+    from mlx_dspark import benchmark as bm
+    from mlx_dspark.kernels import invariant_linear as il
+
+    dtype = mx.bfloat16
+    kinds = ("bf16", "q8g64", "q4g64")
+    widths = (1, 8) if quick else WIDTHS
+    lines = [
+        f"## invariant linear bodies vs MLX, {bm.device_stamp()}, path {il.linear_path()}, {dtype}",
+        f"`bench/bench_invariant_linear.py --gpu-kernels --reps {reps}{' --quick' if quick else ''}` at "
+        f"{time.strftime('%Y-%m-%d %H:%M')}; us per call: median over {reps} evaluations of {BATCH} calls, "
+        f"sides interleaved, weights rotated over >= {ROTATE_GPU_BYTES >> 20} MB of copies; C: what v2 picks; "
+        "best: the fastest v2cC; =v1: every v2 output bitwise v1's; the one-launch rows: the sibling "
+        "group's launch against MLX's separate layers",
+        "",
+        "    kind  shape               M      v1   v2c1   v2c2   v2c4     v2  C    MLX  best/v1  v2/v1"
+        "  v1/MLX  v2/MLX  =v1",
+    ]
+    nan = float("nan")
+    for kind in kinds:
+        for label, K, Ns in GPU_SHAPES:
+            per = sum(Ns) * K * (2 if kind == "bf16" else int(kind[1]) / 8)
+            copies = max(1, min(MAX_COPIES, -(-ROTATE_GPU_BYTES // int(per))))
+            groups = _gpu_layers(kind, K, Ns, dtype, copies)
+            one = len(Ns) == 1
+            sides = {k: [il.layer_plan(g[0] if one else g, k) for g in groups] for k in GPU_SIDES}
+            sides = {k: v for k, v in sides.items() if v[0] is not None}
+            sides["MLX"] = [(g[0] if one else lambda x, g=g: [lay(x) for lay in g]) for g in groups]
+            xs = mx.random.normal((max(widths), K), key=mx.random.key(1)).astype(dtype)
+            mx.eval(xs)
+            C = il.v2_cols(Ns)
+            for M in widths:
+                x = xs[:M]
+                v2s = [k for k in sides if k.startswith("v2")]
+                same = "-"
+                if v2s:
+                    ref = sides["v1"][0](x)
+                    ref = [ref] if one else ref
+                    ok = True
+                    for k in v2s:
+                        got = sides[k][0](x)
+                        ok &= all(mx.array_equal(a, b).item() for a, b in zip([got] if one else got, ref))
+                    same = "yes" if ok else "NO"
+                times = {k: [] for k in sides}
+                turn = 0
+                for rep in range(reps + 2):  # two untimed rounds: JIT, first touches
+                    order = list(sides)[rep % len(sides) :] + list(sides)[: rep % len(sides)]
+                    for k in order:
+                        fns = sides[k]
+                        t0 = time.perf_counter()
+                        outs = [fns[(turn + j) % copies](x) for j in range(BATCH)]
+                        mx.eval(outs)
+                        dt = (time.perf_counter() - t0) / BATCH * 1e6
+                        turn += BATCH
+                        if rep >= 2:
+                            times[k].append(dt)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                f = lambda k: f"{med[k]:6.1f}" if k in med else "     -"  # noqa: E731
+                best = min((med[k] for k in med if k.startswith("v2c")), default=nan)
+                v1, v2, ml = med.get("v1", nan), med.get("v2", nan), med["MLX"]
+                lines.append(
+                    f"    {kind:5s} {label:18s} {M:2d}  {f('v1')} {f('v2c1')} {f('v2c2')} {f('v2c4')} {f('v2')} "
+                    f"{C:2d} {f('MLX')} {best / v1:8.3f} {v2 / v1:6.3f} {v1 / ml:7.3f} {v2 / ml:7.3f}  {same}"
+                )
+                print(lines[-1], flush=True)
+            del groups, sides
+    lines.append("")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=50)
@@ -191,7 +311,13 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--cpu-kernels", action="store_true", help="the CPU primitive's kernels (module docstring)")
     ap.add_argument("--cpu-verify", action="store_true", help="the demo forward on each CPU kernel (docstring)")
+    ap.add_argument("--gpu-kernels", action="store_true", help="v1 / v2cC / v2 / MLX per shape and M (docstring)")
     args = ap.parse_args()
+    if args.gpu_kernels:
+        from mlx_dspark import benchmark as bm
+
+        bm.emit("\n".join(gpu_kernels(args.reps, args.quick)), args.out)
+        return 0
     if args.cpu_kernels or args.cpu_verify:
         from mlx_dspark import benchmark as bm
 

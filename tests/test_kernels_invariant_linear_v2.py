@@ -115,7 +115,10 @@ def test_plans_launch_the_chosen_body(fake_gpu, monkeypatch, kernel):
     fake_gpu.clear()
     assert mx.allclose(il.layer_plan(lin, "v2c2")(x), lin(x), atol=1e-5).item()
     assert mx.allclose(il.layer_plan(lin, "v1")(x), lin(x), atol=1e-5).item()
-    assert fake_gpu == [("v2", "dense", 1, 2), ("v1", "dense", 1, 1)]
+    pair = [lin, nn.Linear(64, 5)]
+    outs = il.layer_plan(pair, "v2c4")(x)  # a list of layers: their one launch
+    assert len(outs) == 2 and all(mx.allclose(o, lay(x), atol=1e-5).item() for o, lay in zip(outs, pair))
+    assert fake_gpu == [("v2", "dense", 1, 2), ("v1", "dense", 1, 1), ("v2", "dense", 2, 4)]
     fake_gpu.clear()
     xs = rand((4, 64), mx.float32, 91)
     ws = [rand((n, 64), mx.float32, 92 + n, 0.05) for n in (24, 9, 9)]

@@ -250,7 +250,10 @@ def affine_gpu_group(x2, quants, bits: int, biases, lang: str = "cuda", kernel: 
 
 def layer_plan(layer, kernel: str | None = None, as_linear: bool = False):
     """x -> the layer's product on the GPU path with `kernel` (one launch, no sibling grouping), or
-    None where the layer has none (benchmarks: each kernel's plan built once, timed side by side)."""
+    None where it has none (benchmarks: each kernel's plan built once, timed side by side). A list
+    of layers: their one launch (as a sibling group), x -> the list of their outputs."""
+    if isinstance(layer, (list, tuple)):
+        return _gpu_plan(list(layer), as_linear, linear_path(), kernel)
     got = _gpu_plan([layer], as_linear, linear_path(), kernel)
     return None if got is None else _first(got)
 
