@@ -182,6 +182,24 @@ def test_metal_mixed_bias_group_needs_a_device_placeholder(v2):
     assert any("no matching function" in e for e in parse(src(1), metal_stub, "il_mixed_constant"))
 
 
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_metal_single_layer_takes_constant_buffers(v2):
+    """One layer with arrays under 8 elements (a 4-wide bias, 2-bit 64 x 1 packs, one scale): Metal
+    passes them `constant`; alone (each pointer repeated for the unused weights) it compiles."""
+    parse, metal_stub, _ = _parse_tools()
+    dt = "bfloat16"
+    C = [("C", 4)] if v2 else []
+    dense = il.instance("metal", "dense", 1, v2=v2)
+    src = kt.metal_kernel_text(
+        dense, [(dt, 2, 8 * 64), (dt, 2, 4 * 64), (dt, 1, 4)], [dt], [("T", dt)] + C + [("HB", 1)]
+    )
+    assert parse(src, metal_stub, "il_small_dense") == []
+    affine = il.instance("metal", "affine", 1, v2=v2)
+    ins = [(dt, 2, 8 * 64), ("uint32", 2, 4), (dt, 2, 1), (dt, 2, 1), (dt, 1, 1)]
+    src = kt.metal_kernel_text(affine, ins, [dt], [("T", dt), ("BITS", 2)] + C + [("HB", 1)])
+    assert parse(src, metal_stub, "il_small_affine") == []
+
+
 def test_metal_groups_only_device_buffers(fake_gpu):
     big = [nn.Linear(64, 16), nn.Linear(64, 16, bias=False)]
     small = [nn.Linear(64, 16), nn.Linear(64, 4)]  # a 4-element bias: `constant` on Metal
