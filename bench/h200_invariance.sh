@@ -15,6 +15,7 @@
 #   bash bench/h200_invariance.sh profile               # host time per decode step (profile_invariant_host.py)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
+#   PAR_STEPS="identity-par ftests" bash bench/h200_invariance.sh par   # steps at once, logs in $OUT/par-STEP.log
 #   bash bench/h200_invariance.sh families              # MoE expert + masked attention + hybrid GPU tests, then every
 #                                                       # mode vs baseline per family fixture, bf16, <= ~6 min ($OUT/families.md);
 #                                                       # gemma3-vlm / gemma4-vlm run only where wheels/ has mlx-vlm (else SKIPPED)
@@ -136,6 +137,11 @@ for step in "$@"; do
     python3 -c "import mlx_vlm" 2>/dev/null && vlm=40 || { vlm=0; echo "no mlx_vlm: gemma3-vlm, gemma4-vlm skipped"; }
     timeout "${FAM_LIMIT:-$((150 + vlm))}" python3 bench/bench_family_identity.py --dtype bfloat16 --out "$OUT/families.md" 2>&1 \
       | grep -v clean_up | tail -90
+    el ;;
+  par)  # the steps in PAR_STEPS at once, each in its own process (timing-insensitive ones: tests, identity)
+    for s in ${PAR_STEPS:-ftests families}; do bash "$0" "$s" > "$OUT/par-$s.log" 2>&1 & done
+    wait
+    for s in ${PAR_STEPS:-ftests families}; do echo "== $s"; tail -40 "$OUT/par-$s.log"; done
     el ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
