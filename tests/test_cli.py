@@ -83,6 +83,26 @@ def test_doctor_reports_backend_and_fallbacks():
     assert "native" in info and "loaded" in info["native"]
 
 
+def test_doctor_lists_every_compat_adjustment_and_flags_versions_outside_their_range(monkeypatch):
+    from mlx_dspark import compat
+    from mlx_dspark.cli import doctor
+
+    r = cli("doctor", "--json")
+    assert r.returncode == 0, r.stderr
+    listed = json.loads(r.stdout)["shims"]
+    assert [s["name"] for s in listed] == [s["name"] for s in compat.shims()]
+    assert {s["name"] for s in compat.vlm_shims()} <= {s["name"] for s in listed}
+    assert all(s["fits"] for s in listed)  # this environment is the one they were written for
+    # A fresh process routes nothing until a target loads; the detokenizer copy is per generation.
+    assert {s["name"] for s in listed if s["active"]} == {"private detokenizer per generation"}
+    versions = {"mlx": (0, 33, 0), "mlx-lm": (0, 32, 2), "mlx-vlm": None, "transformers": None}
+    monkeypatch.setattr(compat, "dist_version", versions.get)
+    moved = [s for s in compat.shims() if not s["fits"]]
+    assert moved and all("MLX 0.32.x" in s["for"] for s in moved)
+    line = doctor._shim_line(moved[0])
+    assert "mlx 0.33.0" in line and line.endswith("installed: check it still holds")
+
+
 def test_python_m_help_lists_subcommands():
     r = cli("--help")
     assert r.returncode == 0

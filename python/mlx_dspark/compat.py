@@ -377,3 +377,89 @@ def vlm_shims() -> list[dict]:
             "installed": f"mlx-vlm {fmt(vlm)}, transformers {fmt(tf)}",
         },
     ]
+
+
+def shims() -> list[dict]:
+    """Every adjustment this module makes to other packages (doctor): its name, the versions it
+    was written for (`for`, and `fits`: whether the installed version is in that range), when it
+    applies (`when`), and whether it is active in this process (`active`: installed now, or, for
+    the mlx-vlm shims, needed by what is installed)."""
+    mlx, lm = dist_version("mlx"), dist_version("mlx-lm")
+    fmt = lambda v: ".".join(map(str, v)) if v else "not installed"  # noqa: E731
+    minor = lambda v, want: v is not None and v[:2] == want  # noqa: E731
+    on_mlx = {"installed": f"mlx {fmt(mlx)}", "fits": minor(mlx, (0, 32))}
+    on_lm = {"installed": f"mlx-lm {fmt(lm)}", "fits": minor(lm, (0, 32))}
+    on_both = {"installed": f"mlx {fmt(mlx)}, mlx-lm {fmt(lm)}", "fits": on_mlx["fits"] and on_lm["fits"]}
+    out = [
+        {
+            "name": "private detokenizer per generation",
+            "for": "mlx-lm 0.32.x",
+            "when": "every generation",
+            "active": True,
+            **on_lm,
+        },
+        {
+            "name": "decoder-layer taps (instance subclass)",
+            "for": "mlx-lm 0.32.x",
+            "when": "a drafter reads the target's hidden states",
+            "active": False,
+            **on_lm,
+        },
+        {
+            "name": "module class swap",
+            "for": "MLX 0.32.x, mlx-lm 0.32.x",
+            "when": "a quantized target runs wide GEMMs on the CPU, or a hybrid target loads",
+            "active": False,
+            **on_both,
+        },
+        {
+            "name": "prefill attention -> blocked CPU op",
+            "for": "MLX 0.32.x, mlx-lm 0.32.x",
+            "when": "a float32 target prefills a long prompt on the CPU",
+            "active": _sdpa_before_cpu_prefill is not None,
+            **on_both,
+        },
+        {
+            "name": "attention -> width-invariant op",
+            "for": "MLX 0.32.x, mlx-lm 0.32.x",
+            "when": "a target runs the invariant kernel path",
+            "active": _sdpa_original is not None,
+            **on_both,
+        },
+        {
+            "name": "linears / MoE experts / Bonsai Hadamard -> width-invariant op",
+            "for": "MLX 0.32.x, mlx-lm 0.32.x",
+            "when": "a target runs the invariant kernel path",
+            "active": _linear_originals is not None,
+            **on_both,
+        },
+        {
+            "name": "per-row attention for batched rows",
+            "for": "MLX 0.32.x, mlx-lm 0.32.x",
+            "when": "serve batches requests (--max-batch)",
+            "active": _sdpa_is_rows_aware(),
+            **on_both,
+        },
+        {
+            "name": "mlx-lm tool-call parsers",
+            "for": "mlx-lm 0.32.x",
+            "when": "a reply uses the qwen3_coder / gemma4 tool syntax",
+            "active": False,
+            **on_lm,
+        },
+        {
+            "name": "imports and template compile before threads",
+            "for": "CPython 3.11 (gh-106905)",
+            "when": "the server starts",
+            "active": False,
+            "installed": "",
+            "fits": True,
+        },
+    ]
+    return out + [{**s, "when": "a Gemma loads through mlx-vlm", "fits": True} for s in vlm_shims()]
+
+
+def _sdpa_is_rows_aware() -> bool:
+    import mlx.core as mx
+
+    return bool(getattr(mx.fast.scaled_dot_product_attention, "_rows_aware", False))

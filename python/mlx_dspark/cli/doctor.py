@@ -36,9 +36,9 @@ def collect() -> dict:
         info["mlx_vlm"] = getattr(mlx_vlm, "__version__", "installed")
     except ImportError:
         info["mlx_vlm"] = None
-    from ..compat import vlm_shims
+    from ..compat import shims
 
-    info["shims"] = vlm_shims()  # which compat.py shims of other packages are active here
+    info["shims"] = shims()  # compat.py's adjustments of other packages: for which versions, when, active here
     dev = mx.default_device()
     info["device"] = str(dev)
     info["metal"] = bool(getattr(mx, "metal", None) and mx.metal.is_available())
@@ -97,6 +97,15 @@ def blas_report() -> dict:
     return out
 
 
+def _shim_line(s: dict) -> str:
+    """One compat.py adjustment: active in this process or when it applies, what it was written for,
+    and a warning where the installed version is outside that range."""
+    state = "ACTIVE" if s["active"] else f"when {s['when']}"
+    warn = "" if s["fits"] else f"  <- written for {s['for']}, {s['installed']} installed: check it still holds"
+    installed = f", {s['installed']}" if s["installed"] else ""
+    return f"{s['name']}: {state} (for {s['for']}{installed}){warn}"
+
+
 def run(args) -> int:
     info = collect()
     if args.json:
@@ -107,6 +116,6 @@ def run(args) -> int:
         if isinstance(v, dict):
             v = ", ".join(f"{a}={b}" for a, b in v.items())
         elif k == "shims":
-            v = "; ".join(f"{s['name']}: {'ACTIVE' if s['active'] else 'inactive'} (for {s['for']})" for s in v)
+            v = "".join("\n    " + _shim_line(s) for s in v)
         print(f"{k:<{width}}  {v}")
     return 0
