@@ -13,6 +13,8 @@
 #   bash bench/h200_invariance.sh contrast              # the native forward (MLX_DSPARK_INVARIANT=off)
 #   bash bench/h200_invariance.sh cost                  # bench_invariance_cost.py per PRECISIONS
 #   bash bench/h200_invariance.sh profile               # host time per decode step (profile_invariant_host.py)
+#   bash bench/h200_invariance.sh round-profile         # each mode's steps by phase, syncs, widths, graph ops
+#                                                       # (profile_round.py, RP_PRECISION bf16, <= RP_LIMIT 300 s; $OUT/round-profile.md)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
 #   PAR_STEPS="identity-par ftests" bash bench/h200_invariance.sh par   # steps at once, logs in $OUT/par-STEP.log
@@ -123,6 +125,11 @@ for step in "$@"; do
     for p in ${PRECISIONS%% *}; do
       python3 bench/profile_invariant_host.py --precision "$p" --out "$OUT/profile.md" > /dev/null; cat "$OUT/profile.md"; el
     done ;;
+  round-profile)  # RP_N prompts x RP_TOKENS; no new prompt after RP_BUDGET s, so the report is written within RP_LIMIT
+    timeout "${RP_LIMIT:-300}" python3 bench/profile_round.py --precision "${RP_PRECISION:-bf16}" --prompts "$C/eval" \
+      --n "${RP_N:-5}" --tokens "${RP_TOKENS:-$TOKENS}" --budget-s "${RP_BUDGET:-200}" ${RP_ARGS:-} \
+      --out "$OUT/round-profile.md" > "$OUT/round-profile.log" 2>&1 || tail -20 "$OUT/round-profile.log"
+    cat "$OUT/round-profile.md"; el ;;
   replay)
     python3 bench/bench_hybrid_replay.py --out "$OUT/hybrid-replay.md" 2>&1 | tail -30; el ;;
   batch)
