@@ -114,7 +114,7 @@ class Profiler:
         self.rec: dict | None = None  # the step being timed
         self.steps: list[dict] = []
         self.undo: list = []
-        self.drafter_ops: list[Counter] = []
+        self.drafter_ops: list[tuple[Counter, Counter]] = []
         self.verify_ops: dict[int, Counter] = {}
 
     def enter(self) -> None:
@@ -214,7 +214,8 @@ def instrument(prof: Profiler, g, target) -> None:
         finally:
             read = had and g.pending is None
             if read and prof.rec is not None:
-                prof.rec["syncs"] += 1
+                prof.rec["syncs"] += 1  # its .item() of the pending token
+                prof.rec["pending reads"] = 1
             prof.leave("pending read" if read else "plan_begin")
         return out
 
@@ -261,8 +262,8 @@ def instrument(prof: Profiler, g, target) -> None:
 
         def sampled(lazy, *a):
             prof.note("drafter passes")
-            if prof.count_ops and len(prof.drafter_ops) < 4:
-                prof.drafter_ops.append(graph_ops(lazy[3]))
+            if prof.count_ops and len(prof.drafter_ops) < 4:  # (the whole pass, its backbone)
+                prof.drafter_ops.append((graph_ops(lazy[3]), graph_ops([a[1]])))
 
         prof.wrap(p, "_sample", "sample", after=sampled)
         prof.wrap(p.drafter, "block_hidden", "block_hidden")
@@ -377,12 +378,30 @@ def mode_report(mode: str, data: dict, base_tps: float, ref_ms: float | None) ->
         chunks = sum(s.get("ingest chunks", 0) for s in steps)
         lines.append(f"- drafter passes: {passes} ({passes / len(steps):.2f} per step), context ingest chunks {chunks}")
     if data["drafter_ops"]:
-        ops = [launches(c) for c in data["drafter_ops"]]
-        top = data["drafter_ops"][-1].most_common(8)
+        whole, backbone = data["drafter_ops"][-1]
+        head = whole - backbone
+        (n, nv), (nb, nbv), (nh, nhv) = launches(whole), launches(backbone), launches(head)
         lines.append(
-            f"- graph ops per drafter pass (backbone + lm_head + Markov chain, exported before its eval): "
-            f"{ops[-1][0]} ({ops[-1][1]} not views); most common: " + ", ".join(f"{k} {n}" for k, n in top)
+            f"- graph ops per drafter pass, exported before its eval (not views in brackets): {n} ({nv}) = "
+            f"context fusion + backbone {nb} ({nbv}) + lm_head, Markov chain and token stack {nh} ({nhv})"
         )
+        lines.append("  backbone's most common: " + ", ".join(f"{k} {c}" for k, c in backbone.most_common(8)))
+        lines.append("  head + Markov's most common: " + ", ".join(f"{k} {c}" for k, c in head.most_common(8)))
+    wide = defaultdict(list)
+    for s in steps:
+        if s["widths"] and s["kind"] != "end":
+            wide[(max(s["widths"]), s["kind"])].append(s)
+    if len(wide) > 1:
+        lines += ["", "| verify width | step kind | n | tokens/step | 4 verify build | 5 verify eval+accept | step |"]
+        lines.append("|---:|---|---:|---:|---:|---:|---:|")
+        for (w, k), group in sorted(wide.items()):
+            ph = phases(group)
+            toks = sum(s["tokens"] for s in group) / len(group)
+            lines.append(
+                f"| {w} | {k} | {len(group)} | {toks:.2f} | {ms(ph[3] / len(group))} | {ms(ph[4] / len(group))} "
+                f"| {ms(sum(ph) / len(group))} |"
+            )
+        lines.append("")
     if data["verify_ops"]:
         parts = [f"w{w}: {launches(c)[0]} ({launches(c)[1]})" for w, c in sorted(data["verify_ops"].items())]
         lines.append("- graph ops per target forward (not views in brackets): " + ", ".join(parts))
