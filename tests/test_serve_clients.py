@@ -156,6 +156,19 @@ def test_mid_system_merge_puts_system_text_ahead_of_the_request(smol):
         ]
         oai(smol, KEY).chat.completions.create(model=smol.model, max_tokens=5, messages=mid)
         assert "<|im_start|>user\nMID-2\n\ntwo<|im_end|>" in prompt_of(smol)
+        # Claude Code's next request keeps the entry after the first user turn ([user, system,
+        # assistant, user]): the first turn renders as before, so the earlier prompt is a prefix of
+        # the new one (the prefix cache keeps the whole conversation) and the entry is there once.
+        ant(smol, KEY).messages.create(model=smol.model, max_tokens=5, system="TOP", messages=CLAUDE_CODE_MESSAGES)
+        first = prompt_of(smol)
+        follow = CLAUDE_CODE_MESSAGES + [
+            {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Output token limit hit. Resume directly"},
+        ]
+        ant(smol, KEY).messages.create(model=smol.model, max_tokens=5, system="TOP", messages=follow)
+        second = prompt_of(smol)
+        assert second.startswith(first + "Hi.<|im_end|>\n<|im_start|>user\nOutput token limit hit"), (first, second)
+        assert second.count("MID-SYSTEM") == 1
     finally:
         smol.engine.mid_system = "turn"
     assert json.loads(http_get(smol, "/health"))["mid_system"] == "turn"

@@ -134,28 +134,31 @@ def lead_system(messages: list[dict]) -> list[dict]:
 
 def merge_mid_system(messages: list[dict]) -> list[dict]:
     """System entries after the first turn, for templates that refuse or drop them (or with
-    `mid_system="merge"`): their text goes ahead of the next user turn's text; ones that end the
-    conversation go ahead of the last user turn's text when it is the last turn (so the user's
-    request stays the last thing before the answer), else they become a user turn."""
+    `mid_system="merge"`): their text goes into a user turn, ahead of the user's text. Ones that
+    directly follow a user turn go into that turn (Claude Code sends [user, system] and keeps the
+    entry there as the conversation grows: the turn renders the same in every later request, so
+    the prefix cache keeps it, and the user's request stays the last thing before the answer);
+    ones that follow an assistant turn go into the next user turn, else become a user turn."""
     out: list[dict] = []
-    pending: list[str] = []
+    parts: dict[int, list[str]] = {}  # index in `out` of a user turn -> its system texts, in order
+    pending: list[str] = []  # system texts after an assistant turn, for the next user turn
     for i, m in enumerate(messages):
         if m["role"] == "system" and i > 0:
             if m["content"]:
-                pending.append(m["content"])
+                if out and out[-1]["role"] == "user":
+                    parts.setdefault(len(out) - 1, []).append(m["content"])
+                else:
+                    pending.append(m["content"])
             continue
         if m["role"] == "user" and pending:
-            m = {**m, "content": "\n\n".join(pending + ([m["content"]] if m["content"] else []))}
+            parts[len(out)] = pending
             pending = []
         out.append(m)
+    for k, texts in parts.items():
+        text = out[k]["content"]
+        out[k] = {**out[k], "content": "\n\n".join(texts + ([text] if text else []))}
     if pending:
-        if out and out[-1]["role"] == "user":
-            out[-1] = {
-                **out[-1],
-                "content": "\n\n".join(pending + ([out[-1]["content"]] if out[-1]["content"] else [])),
-            }
-        else:
-            out.append({"role": "user", "content": "\n\n".join(pending)})
+        out.append({"role": "user", "content": "\n\n".join(pending)})
     return out
 
 
