@@ -50,6 +50,45 @@ def test_cost_policy_parks_a_losing_source_then_probes_with_doubling_gaps():
     assert p.ready("drafter", n + 1 + 2 * pol.PROBE_MIN)
 
 
+def test_cost_policy_parks_a_losing_source_when_asked_whether_to_try_it():
+    """No round is planned only to be declined (that costs a synchronous plain step): a losing
+    source is parked by worth_trying itself, and is let through again only for its probe."""
+    p = pol.CostPolicy(LINEAR, cap=32)
+    assert not p.worth_trying("drafter", 7, 100)
+    assert not p.ready("drafter", 100 + pol.PROBE_MIN - 1)
+    n = 100 + pol.PROBE_MIN
+    assert p.worth_trying("drafter", 7, n) and p.length("drafter", 7, n) >= 1  # the probe
+    assert p.counts["probe_rounds"] == 1
+    f = pol.CostPolicy(FLAT, cap=32)  # a winning source is let through and drafts
+    assert f.worth_trying("drafter", 7, 100) and f.length("drafter", 7, 100) > 0
+
+
+def test_auto_draft_on_a_losing_machine_never_takes_a_synchronous_plain_step(monkeypatch):
+    """Where no round pays (a linear verify curve), the policy declines before the loop reads the
+    pending token back: no plain step is a synchronous one after a read-back (the steps right
+    after a round feed its known bonus token, and are the only synchronous ones)."""
+    from mlx_dspark.decode import loop
+
+    monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: LINEAR)
+    synced = []
+    real = loop.Generation._finish_sync
+
+    def finish_sync(self, out, anchor, first):
+        synced.append(len(first.tokens))  # > 0: the pending token was read back, then no draft came
+        return real(self, out, anchor, first)
+
+    monkeypatch.setattr(loop.Generation, "_finish_sync", finish_sync)
+    ws = workspace()
+    tgt, tok = target(ws["target_perm"])
+    d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
+    prompt = [int(t) for t in perm_chain(3, 6)]
+    base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=60)
+    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=60, max_draft="auto")
+    assert res.tokens == base.tokens and res.text == base.text
+    assert res.stats.get("policy") == "cost" and res.stats.get("probe_rounds", 0) >= 1
+    assert synced and not any(synced)
+
+
 def test_cost_policy_learns_acceptance_per_slot():
     p = pol.CostPolicy(FLAT, cap=32)
     for n in range(50):

@@ -155,7 +155,8 @@ class DrafterProposer(Proposer):
             return False
         self.index.sync(history)
         start, depth = self.index.match(history)
-        return start >= 0 and self.policy.worth_trying("lookup", 2 * depth, n, depth)
+        # what _lookup_draft takes (a shallower match would fall to the parked drafter: no draft)
+        return start >= 0 and depth >= HYBRID_MIN_DEPTH and self.policy.worth_trying("lookup", 2 * depth, n, depth)
 
     def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
         got = self._prepare(history, max_draft, sampling)

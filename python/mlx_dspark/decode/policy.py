@@ -65,7 +65,9 @@ class DraftPolicy:
         return True
 
     def worth_trying(self, source: str, offered: int, n_hist: int, depth: int = 0) -> bool:
-        """Would `length` take a round from this offer? (No side effects: `wants_round`.)"""
+        """Would `length` take a round from this offer? (`wants_round` asks before the pending
+        token is read back; CostPolicy parks a losing source here, so that no round is planned
+        only to be declined.)"""
         return offered > 0 and self.ready(source, n_hist)
 
     def length(self, source: str, offered: int, n_hist: int, depth: int = 0) -> int:
@@ -223,9 +225,15 @@ class CostPolicy(DraftPolicy):
         if offered <= 0 or not self.ready(source, n_hist):
             return False
         k, r = self.best(source, offered, depth)
+        if k > 0 and r >= MARGIN * self.plain_rate:
+            return True
         park = self.parks[source]
-        # a losing source is let through once so that `length` parks it (and later probes it)
-        return (k > 0 and r >= MARGIN * self.plain_rate) or not park.probing
+        if park.until > 0 and not park.probing:
+            return True  # its gap has passed: `length` makes this round a probe
+        # Losing and not parked: park it here. (Letting it through for `length` to park would cost
+        # a synchronous plain step: the loop reads the pending token back before asking for a draft.)
+        park.until = n_hist + park.every
+        return False
 
     def length(self, source: str, offered: int, n_hist: int, depth: int = 0) -> int:
         park = self.parks[source]
