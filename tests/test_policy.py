@@ -115,6 +115,19 @@ def test_fixed_policy_keeps_the_lookup_parking_rules():
     assert p.length("lookup", 32, 0, depth=12) == 24  # a deep match earns 2x its depth (cap 32)
 
 
+def test_fixed_policy_sizes_a_drafters_lookup_drafts_as_lookup_mode_does():
+    """Lookup drafts inside a drafter take lookup mode's length rule, not the whole offer (a
+    4-deep match verified 33 wide, ~3x a width-8 verify: bench/results/round-profile-cpu.md)."""
+    p = pol.FixedPolicy(hybrid=True)
+    assert not p.worth_trying("lookup", 8, 0, depth=pol.HYBRID_MIN_DEPTH - 1)
+    assert p.length("lookup", 32, 0, depth=pol.HYBRID_MIN_DEPTH) == pol.SHORT_DRAFT
+    assert p.length("lookup", 32, 0, depth=12) == 24
+    p.result("lookup", 24, 3, 10)  # a long draft that did not earn its width
+    assert p.length("lookup", 32, 20, depth=12) == pol.SHORT_DRAFT
+    p.result("lookup", pol.SHORT_DRAFT, pol.SHORT_DRAFT, 30)  # all accepted: long drafts again
+    assert p.length("lookup", 32, 40, depth=12) == 24
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))

@@ -13,7 +13,9 @@ FixedPolicy (`max_draft` an integer, or the Python API's default None): the rule
     (doubling, PARK_MIN..PARK_MAX tokens); a long draft (depth >= LONG_DEPTH earns ~2x its depth)
     that was mostly rejected cuts back to the short length until one succeeds.
   * lookup inside a drafter (hybrid): a match at least HYBRID_MIN_DEPTH deep replaces the drafter
-    pass; after HYBRID_PARK_AFTER rejected first tokens in a row it parks (HYBRID_PARK_MIN..MAX).
+    pass, as long as lookup mode's rule says (short, or 2x a deep match's depth while long drafts
+    earn their width); after HYBRID_PARK_AFTER rejected first tokens in a row it parks
+    (HYBRID_PARK_MIN..MAX).
 
 CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decode/costs.py)
   tok/s = tau(k) / (t_draft + t_verify(k + 1)), tau(k) = 1 + sum_{j<=k} prod_{i<=j} p_i,
@@ -116,8 +118,10 @@ class FixedPolicy(DraftPolicy):
         return n_hist >= self.next_short_probe
 
     def length(self, source: str, offered: int, n_hist: int, depth: int = 0) -> int:
-        if source == "drafter" or self.hybrid:
+        if source == "drafter":
             return offered
+        # lookup drafts, alone or inside a drafter: short unless the match is deep (a hybrid's
+        # lookup round took the whole offer, 32 wide for any 4-deep match: 3x a width-8 verify)
         k = self.short_draft
         self._last_long, self._last_short = False, depth < LONG_DEPTH
         if depth >= LONG_DEPTH and self.long_ok:
@@ -130,16 +134,19 @@ class FixedPolicy(DraftPolicy):
             return
         if self.hybrid:
             self._park(accepted, n_hist, HYBRID_PARK_AFTER, HYBRID_PARK_MIN, HYBRID_PARK_MAX)
-            return
-        if self._last_short:
-            self.short_rate = 0.75 * self.short_rate + 0.25 * (1.0 if accepted else 0.0)
-            if not accepted and self.short_rate < SHORT_MIN_RATE:
-                self.next_short_probe = n_hist + SHORT_PROBE_EVERY
-        self._park(accepted, n_hist, PARK_AFTER, PARK_MIN, PARK_MAX)
+        else:
+            self._short_result(accepted, n_hist)
+            self._park(accepted, n_hist, PARK_AFTER, PARK_MIN, PARK_MAX)
         if self._last_long:
             self.long_ok = accepted * 2 >= proposed  # long drafts must earn their width
         elif accepted == proposed:
             self.long_ok = True
+
+    def _short_result(self, accepted: int, n_hist: int) -> None:
+        if self._last_short:
+            self.short_rate = 0.75 * self.short_rate + 0.25 * (1.0 if accepted else 0.0)
+            if not accepted and self.short_rate < SHORT_MIN_RATE:
+                self.next_short_probe = n_hist + SHORT_PROBE_EVERY
 
     def _park(self, accepted: int, n_hist: int, after: int, lo: int, hi: int) -> None:
         if accepted == 0:
