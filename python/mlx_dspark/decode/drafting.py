@@ -151,12 +151,8 @@ class DrafterProposer(Proposer):
         n = len(history)
         if self.policy.worth_trying("drafter", self.block_drafts, n):
             return True
-        if not self.lookup_drafts or not self.policy.ready("lookup", n):
-            return False
-        self.index.sync(history)
-        start, depth = self.index.match(history)
-        # what _lookup_draft takes (a shallower match would fall to the parked drafter: no draft)
-        return start >= 0 and depth >= HYBRID_MIN_DEPTH and self.policy.worth_trying("lookup", 2 * depth, n, depth)
+        match = self._lookup_match(history)
+        return match is not None and self.policy.worth_trying("lookup", 2 * match[1], n, match[1])
 
     def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
         got = self._prepare(history, max_draft, sampling)
@@ -306,14 +302,22 @@ class DrafterProposer(Proposer):
         self.pending, self.n_pending = [], 0
         return rows
 
-    def _lookup_draft(self, history: Sequence[int], max_draft: int) -> Draft | None:
-        n_hist = len(history)
-        if not self.lookup_drafts or not self.policy.ready("lookup", n_hist):
+    def _lookup_match(self, history: Sequence[int]) -> tuple[int, int] | None:
+        """(start, depth) of the n-gram match a lookup draft would copy, where lookup drafts are on,
+        not parked, and the match is at least HYBRID_MIN_DEPTH deep; else None. wants_round and
+        _lookup_draft both ask here, so a round is never planned on a match the draft refuses."""
+        if not self.lookup_drafts or not self.policy.ready("lookup", len(history)):
             return None
         self.index.sync(history)
         start, depth = self.index.match(history)
-        if start < 0 or depth < HYBRID_MIN_DEPTH:
+        return (start, depth) if start >= 0 and depth >= HYBRID_MIN_DEPTH else None
+
+    def _lookup_draft(self, history: Sequence[int], max_draft: int) -> Draft | None:
+        n_hist = len(history)
+        match = self._lookup_match(history)
+        if match is None:
             return None
+        start, depth = match
         if not self.policy.prefer_lookup(
             max_draft, depth, self.block_drafts if self.policy.ready("drafter", n_hist) else 0
         ):
