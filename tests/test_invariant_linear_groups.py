@@ -18,6 +18,21 @@ from mlx_dspark.kernels import invariant
 from mlx_dspark.kernels import invariant_linear as il
 
 
+def reference_outputs(kind: str, group: int, inputs: list, t: dict) -> list:
+    """What a launch of the dense or affine kernel over `group` weights must return: each weight's
+    reference product, from the launch's inputs (x, the weights' arrays, the biases) and template."""
+    x, outs = inputs[0], []
+    for g in range(group):
+        bias = inputs[1 + (1 if kind == "dense" else 3) * group + g] if t["HB"] >> g & 1 else None
+        if kind == "dense":
+            outs.append(il.invariant_linear_reference(x, inputs[1 + g], bias=bias))
+        else:
+            wq, s, z = inputs[1 + 3 * g : 4 + 3 * g]
+            gs = x.shape[-1] // s.shape[1]
+            outs.append(il.invariant_linear_reference(x, wq, s, z, bias=bias, group_size=gs, bits=t["BITS"]))
+    return outs
+
+
 def _fake_kernel(calls):
     """A stand-in for the JIT kernel: the reference of each of the G weights, from exactly the
     inputs, template and launch shape the plan gives it."""
@@ -28,18 +43,8 @@ def _fake_kernel(calls):
             x = inputs[0]
             assert threadgroup == (il.THREADS, 1, 1) and len(output_shapes) == group == len(output_dtypes)
             assert grid == (-(-sum(s[-1] for s in output_shapes) // il.COLS) * il.THREADS, 1, 1)
-            outs = []
-            for g in range(group):
-                bias = inputs[1 + (1 if kind == "dense" else 3) * group + g] if t["HB"] >> g & 1 else None
-                if kind == "dense":
-                    y = il.invariant_linear_reference(x, inputs[1 + g], bias=bias)
-                else:
-                    wq, s, z = inputs[1 + 3 * g : 4 + 3 * g]
-                    y = il.invariant_linear_reference(
-                        x, wq, s, z, bias=bias, group_size=x.shape[-1] // s.shape[1], bits=t["BITS"]
-                    )
-                assert y.shape == tuple(output_shapes[g])
-                outs.append(y)
+            outs = reference_outputs(kind, group, inputs, t)
+            assert [y.shape for y in outs] == [tuple(s) for s in output_shapes]
             calls.append((kind, group, x.size // x.shape[-1]))
             return outs
 

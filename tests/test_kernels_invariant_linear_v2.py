@@ -9,11 +9,13 @@ v1 on CPU fibers: test_kernels_invariant_linear.py::test_v2_body_equals_v1_bitwi
 from __future__ import annotations
 
 import re
+import shutil
 
 import kernel_text as kt
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from test_invariant_linear_groups import reference_outputs
 from test_kernels_invariant_linear import DT_IDS, DTYPES, MAX_M, QUANTS, SEED, assert_rows_invariant, quantized, rand
 
 from mlx_dspark.kernels import gpu_source as gs
@@ -64,17 +66,7 @@ def _fake_kernels(calls):
                 assert threadgroup == (il.THREADS, 1, 1) and len(Ns) == group == len(output_dtypes)
                 warps = sum(-(-n // C) for n in Ns)
                 assert grid == (-(-warps // 4) * il.THREADS, 1, 1) and t["T"] == x.dtype == output_dtypes[0]
-                outs = []
-                for g in range(group):
-                    bias = inputs[1 + (1 if kind == "dense" else 3) * group + g] if t["HB"] >> g & 1 else None
-                    if kind == "dense":
-                        y = il.invariant_linear_reference(x, inputs[1 + g], bias=bias)
-                    else:
-                        wq, s, z = inputs[1 + 3 * g : 4 + 3 * g]
-                        y = il.invariant_linear_reference(
-                            x, wq, s, z, bias=bias, group_size=x.shape[-1] // s.shape[1], bits=t["BITS"]
-                        )
-                    outs.append(y)
+                outs = reference_outputs(kind, group, inputs, t)
                 calls.append((version, kind, group, C))
                 return outs
 
@@ -262,7 +254,6 @@ def test_a_broken_v2_body_fails_both_compile_checks():
 
 def _nvcc_resources(sources: dict, tmp_path) -> dict:
     """nvcc (sm_90, device code) over kernel texts; name -> (registers, spill bytes)."""
-    import shutil
     import subprocess
 
     from test_moe_invariant_gather import NVCC_PRELUDE
@@ -291,7 +282,7 @@ def _nvcc_resources(sources: dict, tmp_path) -> dict:
     return got
 
 
-@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="needs nvcc")
+@pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc (the CUDA compiler; CI's machine has it)")
 def test_v1_and_v2_compile_with_nvcc_without_spills(tmp_path):
     """Every C of v2 (and v1 beside it) through nvcc for the H200 (sm_90): compiles, and ptxas
     reports no spills. Registers (nvcc 13.0, sm_90, every dtype): v1 35-48, v2 C=1

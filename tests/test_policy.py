@@ -15,6 +15,14 @@ from mlx_dspark.decode.costs import Costs
 from mlx_dspark.decode.lookup import LookupProposer
 from mlx_dspark.models.drafters import load_drafter
 
+
+def _perm_pair(seed: int):
+    """The perm fixture target, its noisy 16-bit DSpark drafter, and a prompt of its chain."""
+    ws = workspace()
+    tgt, tok = target(ws["target_perm"])
+    return tgt, tok, load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16), [int(t) for t in perm_chain(seed, 6)]
+
+
 FLAT = Costs([1, 2, 4, 8, 16, 32], [0.010, 0.0105, 0.011, 0.012, 0.014, 0.018], t_draft=0.002, origin="given")
 LINEAR = Costs([1, 2, 4], [0.010, 0.020, 0.040], t_draft=0.006, origin="given")
 
@@ -78,10 +86,7 @@ def test_auto_draft_on_a_losing_machine_never_takes_a_synchronous_plain_step(mon
         return real(self, out, anchor, first)
 
     monkeypatch.setattr(loop.Generation, "_finish_sync", finish_sync)
-    ws = workspace()
-    tgt, tok = target(ws["target_perm"])
-    d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
-    prompt = [int(t) for t in perm_chain(3, 6)]
+    tgt, tok, d, prompt = _perm_pair(3)
     base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=60)
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=60, max_draft="auto")
     assert res.tokens == base.tokens and res.text == base.text
@@ -184,10 +189,7 @@ def test_calibration_off_keeps_the_fixed_rules(cache_dir, monkeypatch):
 @pytest.mark.parametrize("costs", [FLAT, LINEAR], ids=["flat", "linear"])
 def test_auto_draft_is_lossless_in_tokens_and_text(costs, monkeypatch):
     monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: costs)
-    ws = workspace()
-    tgt, tok = target(ws["target_perm"])
-    d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
-    prompt = [int(t) for t in perm_chain(3, 6)]
+    tgt, tok, d, prompt = _perm_pair(3)
     base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=40)
     for mode in ("dspark", "lookup"):
         res = generate(
@@ -207,10 +209,7 @@ def test_auto_draft_is_lossless_in_tokens_and_text(costs, monkeypatch):
 def test_auto_mode_runs_plain_where_speculation_cannot_pay_and_says_so_once(monkeypatch, capsys):
     monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: LINEAR)
     modes._said.clear()
-    ws = workspace()
-    tgt, tok = target(ws["target_perm"])
-    d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
-    prompt = [int(t) for t in perm_chain(5, 6)]
+    tgt, tok, d, prompt = _perm_pair(5)
     base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=20)
     for _ in range(2):
         res = generate(tgt, tok, None, prompt_ids=prompt, mode="auto", drafter=d, max_new_tokens=20, max_draft="auto")
@@ -233,10 +232,7 @@ def test_auto_mode_falls_back_to_lookup_where_only_the_drafter_cannot_pay(monkey
     dear_drafter = Costs(FLAT.widths, FLAT.t_verify, t_draft=0.05, origin="given")  # 5 plain steps a pass
     monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: dear_drafter)
     modes._said.clear()
-    ws = workspace()
-    tgt, tok = target(ws["target_perm"])
-    d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
-    prompt = [int(t) for t in perm_chain(7, 6)]
+    tgt, tok, d, prompt = _perm_pair(7)
     base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=20)
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="auto", drafter=d, max_new_tokens=20, max_draft="auto")
     assert res.mode == "lookup" and res.tokens == base.tokens and res.text == base.text

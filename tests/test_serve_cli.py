@@ -104,20 +104,13 @@ def test_launcher_serve_starts_and_stops_its_own_server(env):
     run = env["base"] / "serve-run"
     run.mkdir(mode=0o700, exist_ok=True)
     log = env["base"] / "serve.log"
-    r = launcher(
-        env,
-        "--serve",
-        "--serve-model",
-        str(env["model"]),
-        "--serve-arg=--no-warmup",
-        "--serve-log",
-        str(log),
-        "--",
-        "-p",
-        "Say hello",
-        extra_env={"XDG_RUNTIME_DIR": str(run), "FAKE_CLAUDE_HEALTH": "1", "FAKE_CLAUDE_RC": "3"},
-        timeout=180,
-    )
+
+    def serve(*args, **extra_env):
+        common = ("--serve", "--serve-model", str(env["model"]), "--serve-arg=--no-warmup", "--serve-log", str(log))
+        e = {"XDG_RUNTIME_DIR": str(run), "FAKE_CLAUDE_HEALTH": "1", **extra_env}
+        return launcher(env, *common, *args, extra_env=e, timeout=180)
+
+    r = serve("--", "-p", "Say hello", FAKE_CLAUDE_RC="3")
     assert r.returncode == 3, r.stderr + log.read_text()
     got = json.loads(Path(env["env"]["FAKE_CLAUDE_LOG"]).read_text())
     assert got["argv"] == ["-p", "Say hello"]
@@ -131,18 +124,7 @@ def test_launcher_serve_starts_and_stops_its_own_server(env):
     assert "stopped" in log.read_text()
 
     # A window given by the user replaces the default one.
-    r = launcher(
-        env,
-        "--serve",
-        "--serve-model",
-        str(env["model"]),
-        "--serve-arg=--no-warmup",
-        "--serve-arg=--context-window=2048",
-        "--serve-log",
-        str(log),
-        extra_env={"XDG_RUNTIME_DIR": str(run), "FAKE_CLAUDE_HEALTH": "1"},
-        timeout=180,
-    )
+    r = serve("--serve-arg=--context-window=2048")
     assert r.returncode == 0, r.stderr
     got = json.loads(Path(env["env"]["FAKE_CLAUDE_LOG"]).read_text())
     assert got["health"]["context_window"] == 2048 and "--min-context-window" not in r.stderr
