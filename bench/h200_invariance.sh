@@ -3,8 +3,9 @@
 # repo root (or a snapshot of it).
 #
 #   bash bench/h200_invariance.sh setup tests micro     # wheels, GPU unit tests, linear + attention microbench
-#   bash bench/h200_invariance.sh micro2                # the v2 linear body: its GPU tests (== v1 bitwise), then v1 /
-#                                                       # v2c1 / v2c2 / v2c4 / v2 / MLX per shape and M ($OUT/micro2.md)
+#   bash bench/h200_invariance.sh micro2                # the v2 linear body: its GPU tests (== v1 bitwise; step v2tests
+#                                                       # alone), then v1 / v2c1 / v2c2 / v2c4 / v2 / MLX per shape and M
+#                                                       # (step v2bench alone; $OUT/micro2-tests.md, $OUT/micro2.md)
 #   bash bench/h200_invariance.sh ftests                # the forward-level GPU property tests (JIT per config; FT_PAR processes)
 #   bash bench/h200_invariance.sh diag                  # which ops move with the row; the path per precision and W
 #   bash bench/h200_invariance.sh identity              # bench_invariance.py per PRECISIONS
@@ -71,12 +72,15 @@ for step in "$@"; do
   micro)
     python3 bench/bench_invariant_linear.py --out "$OUT/micro-linear.md" > /dev/null; cat "$OUT/micro-linear.md"
     python3 bench/bench_invariant_attention.py --out "$OUT/micro.md" > /dev/null; cat "$OUT/micro.md"; el ;;
-  micro2)
-    timeout "${MICRO2_TESTS_LIMIT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_kernels_invariant_linear_v2.py 2>&1 | tee "$OUT/micro2-tests.txt" | tail -30
-    { echo "## tests/test_kernels_invariant_linear_v2.py -m gpu"; echo; tail -25 "$OUT/micro2-tests.txt" | sed 's/^/    /'
-      echo; } > "$OUT/micro2.md"
-    el
+  micro2|v2tests|v2bench)  # micro2 = v2tests (timing-insensitive: fine inside par) then v2bench
+    if [ "$step" != v2bench ]; then
+      timeout "${MICRO2_TESTS_LIMIT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/test_kernels_invariant_linear_v2.py 2>&1 | tee "$OUT/micro2-tests.txt" | tail -30
+      { echo "## tests/test_kernels_invariant_linear_v2.py -m gpu"; echo; tail -25 "$OUT/micro2-tests.txt" | sed 's/^/    /'
+        echo; } > "$OUT/micro2-tests.md"
+      el
+    fi
+    [ "$step" = v2tests ] && continue
     timeout "${MICRO2_LIMIT:-300}" python3 bench/bench_invariant_linear.py --gpu-kernels --reps "${MICRO2_REPS:-30}" \
       --out "$OUT/micro2.md" > "$OUT/micro2-bench.txt" 2>&1 || tail -20 "$OUT/micro2-bench.txt"
     cat "$OUT/micro2.md"; el ;;
