@@ -146,7 +146,7 @@ for step in "$@"; do
       tests/test_kernels_invariant_masked.py tests/test_hybrid*.py 2>&1 | tee "$OUT/families-tests.txt" | tail -30
     el
     python3 -c "import mlx_vlm" 2>/dev/null && vlm=40 || { vlm=0; echo "no mlx_vlm: gemma3-vlm, gemma4-vlm skipped"; }
-    timeout "${FAM_LIMIT:-$((150 + vlm))}" python3 bench/bench_family_identity.py --dtype bfloat16 --out "$OUT/families.md" 2>&1 \
+    timeout "${FAM_LIMIT:-$((150 + vlm))}" python3 bench/bench_family_identity.py --dtype bfloat16 ${FAM_ARGS:-} --out "$OUT/families.md" 2>&1 \
       | grep -v clean_up | tail -90
     el ;;
   par)  # the steps in PAR_STEPS at once, each in its own process (timing-insensitive ones: tests, identity)

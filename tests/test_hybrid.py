@@ -162,6 +162,35 @@ def test_a_replay_that_drops_the_recurrence_is_refused(monkeypatch):
     assert not tgt.can_trim(cache, 2)
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "gemma4_text"])
+def test_rollback_is_proven_on_the_decode_path_the_target_runs(name, monkeypatch, tmp_path):
+    """On a GPU the native forward is not width-invariant, so a rollback proven on it could only be
+    compared to the dtype's precision (and was refused on the H200 in bf16); the proof waits for
+    the load's choice of decode path and runs on it. Here the native forward is declared
+    width-dependent, as on a GPU, so that the load picks the kernel path, as on a GPU."""
+    from mlx_dspark.models import invariance
+    from mlx_dspark.models.target import Target
+
+    rows_match = invariance.rows_match
+    monkeypatch.setattr(invariance, "rows_match", lambda t: rows_match(t) and t.invariant_kernels)
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "auto")
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT_CACHE", "off")
+    seen = []
+    proof_forward = Target._proof_forward
+
+    def recording(self, ids, cache, prefill=False):
+        seen.append((self.invariant_kernels, ids.shape[1], prefill))
+        return proof_forward(self, ids, cache, prefill)
+
+    monkeypatch.setattr(Target, "_proof_forward", recording)
+    tgt, _ = md.load_target(str(write_family(tmp_path / name, name, seed=5)), dtype="float32")
+    assert tgt.invariance == "kernels"
+    assert tgt.rollback_kind in ("replay", "rewind") and tgt.rollback_refusal is None
+    assert seen and all(kernels for kernels, _, _ in seen)  # every forward of the proof: the kernel path
+    assert (7, False) in [(w, p) for _, w, p in seen]  # the verify round, as a round runs it
+    assert (5, True) in [(w, p) for _, w, p in seen]  # the prompt, as a prefill
+
+
 def test_unknown_recurrent_modules_are_named():
     class Mamba2Mixer:
         pass

@@ -278,12 +278,19 @@ def _states(cache) -> list:
     return out
 
 
-def prove_replay(model, make_cache: Callable[[], list], vocab: int) -> str | None:
+def prove_replay(model, make_cache: Callable[[], list], vocab: int, forward: Callable | None = None) -> str | None:
     """Check on this model that (1) the recording forward gives mlx-lm's own logits bitwise and
     (2) a 7-wide verify forward rewound by 4 leaves every layer's state equal to feeding the same
     3 tokens one at a time: bitwise where the model's wide rows equal its one-token rows, else
-    to the dtype's precision. Returns None, or what differed."""
+    to the dtype's precision. Returns None, or what differed. `forward(ids, cache, prefill)` ->
+    logits is the decode path the target runs (Target._proof_forward: on a GPU its width-invariant
+    kernels, under which wide rows are one-token rows); default the model's own forward."""
     from mlx_lm.models.cache import make_prompt_cache
+
+    if forward is None:
+
+        def forward(ids, cache, prefill=False):
+            return model(ids, cache=cache)
 
     ids = mx.array([[(29 * i + 7) % max(vocab, 2) for i in range(12)]], dtype=mx.int32)
     ref = model(ids, cache=make_prompt_cache(model))
@@ -297,14 +304,14 @@ def prove_replay(model, make_cache: Callable[[], list], vocab: int) -> str | Non
     from . import sliding
 
     wide, plain = make_cache(), make_cache()
-    model(ids[:, :5], cache=wide)
-    model(ids[:, :5], cache=plain)
+    forward(ids[:, :5], wide, True)
+    forward(ids[:, :5], plain, True)
     sliding.mark_verify(wide, True)  # a verify round, as Target.forward marks one
-    rows = model(ids[:, 5:12], cache=wide)
+    rows = forward(ids[:, 5:12], wide)
     sliding.mark_verify(wide, False)
     for c in wide:
         (c.rewind if hasattr(c, "rewind") else c.trim)(4)
-    steps = mx.concatenate([model(ids[:, i : i + 1], cache=plain) for i in range(5, 8)], axis=1)
+    steps = mx.concatenate([forward(ids[:, i : i + 1], plain) for i in range(5, 8)], axis=1)
     a, b = _states(wide), _states(plain)
     # Bitwise where this model computes a wide forward's rows as one-token forwards do (CPU
     # float32 with MLX's own BLAS). Where width changes the rounding (a GPU in bf16, OpenBLAS
@@ -314,7 +321,7 @@ def prove_replay(model, make_cache: Callable[[], list], vocab: int) -> str | Non
     same = _equal if _equal(rows[:, :3], steps) else _close
     if len(a) != len(b) or not all(x.shape == y.shape and same(x, y) for x, y in zip(a, b)):
         return "replaying the accepted positions does not rebuild the recurrent state bitwise"
-    if not same(model(ids[:, 8:9], cache=wide), model(ids[:, 8:9], cache=plain)):
+    if not same(forward(ids[:, 8:9], wide), forward(ids[:, 8:9], plain)):
         return "the logits after a replayed rollback differ from plain decoding"
     return None
 

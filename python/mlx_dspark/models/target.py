@@ -128,10 +128,20 @@ class Target:
             if kinds and why is None:
                 from mlx_lm.models.cache import make_prompt_cache
 
-                why = hybrid.prove_replay(self.model, lambda: convert(make_prompt_cache(self.model)), self.vocab_size)
+                if getattr(self, "_choosing_path", False):
+                    # probe() is still choosing the decode path: the proof runs on the chosen one
+                    return convert(cache)
+                why = hybrid.prove_replay(
+                    self.model, lambda: convert(make_prompt_cache(self.model)), self.vocab_size, self._proof_forward
+                )
             self._rollback_kind = ("+".join(kinds) or "trim") if why is None else f"none ({why})"
             self._rollback_checked = why is None
         return convert(cache) if self._rollback_checked else cache
+
+    def _proof_forward(self, ids: mx.array, cache: list, prefill: bool = False) -> mx.array:
+        """The forward rollback is proven on: the decode path this target runs (kernels, fixed
+        width or native), so that a verify round's rows are compared as they are computed."""
+        return self.forward(ids, cache, last_only=prefill).logits
 
     @property
     def rollback_kind(self) -> str:
@@ -278,7 +288,11 @@ class Target:
                     f"tap layer {t} is out of range: the target has {self.num_layers} layers (0..{self.num_layers - 1})"
                 )
         self.rollback_refusal = self.tap_refusal = None
-        self.invariance = invariance.choose(self)
+        self._choosing_path, self._rollback_checked = True, None
+        try:
+            self.invariance = invariance.choose(self)
+        finally:
+            self._choosing_path = False
         vocab = max(self.vocab_size, 2)
         ids = mx.array([[(17 * i + 3) % vocab for i in range(8)]], dtype=mx.int32)
 
