@@ -142,7 +142,7 @@ for step in "$@"; do
     python3 bench/bench_prefix_cache.py --dtype "${BATCH_DTYPE:-bfloat16}" --rounds 2 --budget-s "${PREFIX_BUDGET:-65}" \
       --prompts "$C/eval" --out "$OUT/batch-h200.md" 2>&1 | tail -8; el ;;
   families)
-    timeout "${FAM_TESTS_LIMIT:-170}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_invariant_gather.py \
+    timeout "${FAM_TESTS_LIMIT:-170}" python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_moe_invariant_gather.py \
       tests/test_kernels_invariant_masked.py tests/test_hybrid*.py 2>&1 | tee "$OUT/families-tests.txt" | tail -30
     el
     python3 -c "import mlx_vlm" 2>/dev/null && vlm=40 || { vlm=0; echo "no mlx_vlm: gemma3-vlm, gemma4-vlm skipped"; }
