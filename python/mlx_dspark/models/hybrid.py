@@ -313,11 +313,11 @@ def prove_replay(model, make_cache: Callable[[], list], vocab: int, forward: Cal
         (c.rewind if hasattr(c, "rewind") else c.trim)(4)
     steps = mx.concatenate([forward(ids[:, i : i + 1], plain) for i in range(5, 8)], axis=1)
     a, b = _states(wide), _states(plain)
-    # Bitwise where this model computes a wide forward's rows as one-token forwards do (CPU
-    # float32 with MLX's own BLAS). Where width changes the rounding (a GPU in bf16, OpenBLAS
-    # float32 GEMM against GEMV) the state a wide forward leaves cannot be bitwise plain
-    # decoding's; that is the width check's business (models/invariance.py warns about it), so
-    # there only a difference beyond the dtype's precision is a replay defect.
+    # Bitwise where `forward` computes a wide forward's rows as one-token forwards do: the
+    # width-invariant decode paths (native on CPU float32 with MLX's own BLAS; the kernels on a
+    # GPU or with OpenBLAS). Only where no invariant path exists (models/invariance.py warns
+    # then) can the state a wide forward leaves not be bitwise plain decoding's, and there only a
+    # difference beyond the dtype's precision is a replay defect.
     same = _equal if _equal(rows[:, :3], steps) else _close
     if len(a) != len(b) or not all(x.shape == y.shape and same(x, y) for x, y in zip(a, b)):
         return "replaying the accepted positions does not rebuild the recurrent state bitwise"
