@@ -1,0 +1,164 @@
+"""Is a forward deterministic on this device? The same computation on equal inputs must give the
+same bits twice: the width-invariance self-check, the rollback proof and the GPU property tests
+all compare two runs bitwise, so a nondeterministic op reads there as "not invariant".
+
+  python bench/diag_determinism.py [--reps 4] [--out FILE.md]
+
+Per precision of the tests' llama fixture (hidden 128, 3 layers, vocab 512: tests/fixtures.py),
+each run compared bitwise with the first:
+  prefill   the target's prefill (MLX's own kernels) of one prefix on a fresh cache: logits, KV
+  qmm/mm    the first layer's q_proj alone on a fixed [M, K] input, MLX's own op
+  step      one width-1 decode step on the kernel path after that prefill (--steps)
+and for the hybrid qwen3_5 fixture in float32: mlx-lm's forward against itself, and how far the
+recording forward (the native GDN kernel on a GPU) is from it (prove_replay's first check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _package  # noqa: F401
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+PRECISIONS = [("bfloat16", None, None)] + [("bfloat16", b, g) for b in (4, 8) for g in (64, 128)]
+PREFIXES = (23, 32, 100, 299)
+
+
+def _same(a, b) -> bool:
+    import mlx.core as mx
+
+    return all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def _load(path, dtype, bits, group):
+    import mlx.nn as nn
+
+    import mlx_dspark as md
+
+    target, _ = md.load_target(path, dtype=dtype, probe=False)
+    if bits:
+        nn.quantize(target.model, group_size=group, bits=bits)
+    return target
+
+
+def llama_rows(path, reps: int, steps: bool) -> list:
+    import mlx.core as mx
+
+    from mlx_dspark.models import invariance
+
+    rows = []
+    for dtype, bits, group in PRECISIONS:
+        name = dtype + (f" q{bits}g{group}" if bits else "")
+        target = _load(path, dtype, bits, group)
+        for n in PREFIXES:
+            prefix = mx.array([[(31 * i + 7) % target.vocab_size for i in range(n)]], dtype=mx.int32)
+
+            def prefill():
+                cache = target.make_cache()
+                logits = target.forward(prefix, cache, last_only=True).logits
+                kv = [c.state[0][..., : c.offset, :] for c in cache]
+                mx.eval(logits, kv)
+                return cache, [logits] + kv
+
+            first = prefill()[1]
+            ok = sum(_same(first, prefill()[1]) for _ in range(reps - 1))
+            rows.append((name, f"prefill {n}", ok, reps - 1))
+            q = target.model.model.layers[0].self_attn.q_proj
+            x = mx.random.normal((n, q.weight.shape[-1] * (32 // bits if bits else 1)), key=mx.random.key(n))
+            x = x.astype(mx.bfloat16)
+            y0 = q(x)
+            mx.eval(y0)
+            ok = sum(mx.array_equal(y0, q(x)).item() for _ in range(reps - 1))
+            rows.append((name, f"{'qmm' if bits else 'mm'} M={n}", ok, reps - 1))
+        if steps:
+            invariance._enable_kernels(target)
+            prefix = mx.array([[(31 * i + 7) % target.vocab_size for i in range(23)]], dtype=mx.int32)
+            outs = []
+            for _ in range(reps):
+                cache = target.make_cache()
+                target.forward(prefix, cache, last_only=True)
+                outs.append(target.forward(mx.array([[5]]), cache).logits)
+                mx.eval(outs[-1])
+            ok = sum(mx.array_equal(outs[0], o).item() for o in outs[1:])
+            rows.append((name, "kernel step after prefill 23", ok, reps - 1))
+            invariance._disable(target)
+    return rows
+
+
+def hybrid_rows(tmp: Path, reps: int) -> list:
+    import mlx.core as mx
+    from family_fixtures import write_family
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx_dspark as md
+
+    path = write_family(tmp / "qwen3_5", "qwen3_5", seed=3, gdn_key_dim=32)
+    target, _ = md.load_target(str(path), dtype="float32", probe=False)
+    model = target.model
+    ids = mx.array([[(29 * i + 7) % target.vocab_size for i in range(12)]], dtype=mx.int32)
+    ref = model(ids, cache=make_prompt_cache(model))
+    mx.eval(ref)
+    ok = sum(mx.array_equal(ref, model(ids, cache=make_prompt_cache(model))).item() for _ in range(reps - 1))
+    ours = model(ids, cache=target.make_cache())
+    diff = float(mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item())
+    scale = 1.0 + float(mx.abs(ref).max().item())
+    kernels = {getattr(getattr(c, "round", None), "kernel", None) for c in target.make_cache()}
+    return [
+        ("qwen3_5 float32", "mlx-lm forward 12", ok, reps - 1),
+        (
+            "qwen3_5 float32",
+            f"recording forward vs mlx-lm: max |diff| {diff:.3g}, scale {scale:.3g}, "
+            f"tolerance {1e-4 * scale:.3g}, kernel {sorted(map(str, kernels))}",
+            None,
+            None,
+        ),
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--steps", action="store_true", help="also the kernel path's step (JIT-compiles per precision)")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    import mlx.core as mx
+    from fixtures import write_model
+
+    mx.set_default_device(mx.gpu if (mx.cuda.is_available() or mx.metal.is_available()) else mx.cpu)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        path = write_model(
+            tmp / "llama",
+            "llama",
+            layers=3,
+            hidden=128,
+            heads=4,
+            kv_heads=2,
+            intermediate=256,
+            scale=2.0,
+            seed=21,
+            vocab_size=512,
+        )
+        rows = llama_rows(str(path), args.reps, args.steps) + hybrid_rows(tmp, args.reps)
+    lines = [f"## Determinism on {mx.default_device()} (MLX {mx.__version__}), {args.reps} runs each", ""]
+    lines += ["| target | computation | runs equal to the first |", "|---|---|---|"]
+    for name, what, ok, of in rows:
+        lines.append(f"| {name} | {what} | {'' if ok is None else f'{ok} of {of}'} |")
+    lines += ["", f"{time.time() - t0:.0f} s"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
