@@ -9,8 +9,9 @@ each run compared bitwise with the first:
   prefill   the target's prefill (MLX's own kernels) of one prefix on a fresh cache: logits, KV
   qmm/mm    the first layer's q_proj alone on a fixed [M, K] input, MLX's own op
   step      one width-1 decode step on the kernel path after that prefill (--steps)
-and for the hybrid qwen3_5 fixture in float32: mlx-lm's forward against itself, and how far the
-recording forward (the native GDN kernel on a GPU) is from it (prove_replay's first check).
+for the hybrid qwen3_5 fixture in float32: mlx-lm's forward against itself, and how far the
+recording forward (the native GDN kernel on a GPU) is from it (prove_replay's first check); and
+MLX's quantized_matmul (bits 4/8, groups 64/128, K up to 4096) and gather_qmm alone (--only).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def hybrid_rows(tmp: Path, reps: int) -> list:
     from mlx_lm.models.cache import make_prompt_cache
 
     import mlx_dspark as md
+    from mlx_dspark.models import hybrid
 
     path = write_family(tmp / "qwen3_5", "qwen3_5", seed=3, gdn_key_dim=32)
     target, _ = md.load_target(str(path), dtype="float32", probe=False)
@@ -104,26 +106,79 @@ def hybrid_rows(tmp: Path, reps: int) -> list:
     ref = model(ids, cache=make_prompt_cache(model))
     mx.eval(ref)
     ok = sum(mx.array_equal(ref, model(ids, cache=make_prompt_cache(model))).item() for _ in range(reps - 1))
-    ours = model(ids, cache=target.make_cache())
-    diff = float(mx.abs(ours.astype(mx.float32) - ref.astype(mx.float32)).max().item())
+    rec = hybrid.convert_cache(make_prompt_cache(model))
+    ours = model(ids, cache=rec)
+    diff = float(mx.abs(ours - ref).max().item())
     scale = 1.0 + float(mx.abs(ref).max().item())
-    kernels = {getattr(getattr(c, "round", None), "kernel", None) for c in target.make_cache()}
+    kernels = sorted({str(getattr(getattr(c, "round", None), "kernel", None)) for c in rec})
     return [
         ("qwen3_5 float32", "mlx-lm forward 12", ok, reps - 1),
         (
             "qwen3_5 float32",
-            f"recording forward vs mlx-lm: max |diff| {diff:.3g}, scale {scale:.3g}, "
-            f"tolerance {1e-4 * scale:.3g}, kernel {sorted(map(str, kernels))}",
+            f"recording forward (GDN kernel {kernels}) vs mlx-lm: max abs diff {diff:.3g}, "
+            f"prove_replay's float32 tolerance {1e-4 * scale:.3g}",
             None,
             None,
         ),
     ]
 
 
+def qmm_rows(reps: int) -> list:
+    """MLX's own quantized_matmul over shapes of real models: same bits every run, and its largest
+    error against the dequantized float32 product (relative to that product's largest value)."""
+    import mlx.core as mx
+
+    rows = []
+    for bits in (4, 8):
+        for group in (64, 128):
+            for K in (128, 256, 512, 1024, 4096):
+                w = mx.random.normal((512, K), key=mx.random.key(K)).astype(mx.bfloat16)
+                wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+                wd = mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32)
+                for M in (1, 4, 23, 100):
+                    x = mx.random.normal((M, K), key=mx.random.key(M)).astype(mx.bfloat16)
+
+                    def qmm():
+                        y = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
+                        mx.eval(y)
+                        return y
+
+                    y0 = qmm()
+                    ok = sum(mx.array_equal(y0, qmm()).item() for _ in range(reps - 1))
+                    ref = x.astype(mx.float32) @ wd.T
+                    err = float((mx.abs(y0.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item())
+                    rows.append((f"q{bits}g{group}", f"quantized_matmul K={K} M={M}: rel err {err:.2g}", ok, reps - 1))
+    return rows
+
+
+def gather_rows(reps: int) -> list:
+    """MLX's gather_qmm as mlx-lm's MoE layers call it (sorted rows), bf16 4-bit group 64."""
+    import mlx.core as mx
+
+    rows = []
+    for K in (128, 1024):
+        E, N, T, k = 8, 256, 40, 2
+        w = mx.random.normal((E, N, K), key=mx.random.key(1)).astype(mx.bfloat16)
+        wq, s, b = mx.quantize(w, group_size=64, bits=4)
+        x = mx.random.normal((T * k, 1, K), key=mx.random.key(2)).astype(mx.bfloat16)
+        idx = mx.sort(mx.random.randint(0, E, (T * k,), key=mx.random.key(3)).astype(mx.uint32))
+
+        def run():
+            y = mx.gather_qmm(x, wq, s, b, rhs_indices=idx, transpose=True, group_size=64, bits=4, sorted_indices=True)
+            mx.eval(y)
+            return y
+
+        y0 = run()
+        ok = sum(mx.array_equal(y0, run()).item() for _ in range(reps - 1))
+        rows.append(("q4g64 experts", f"gather_qmm sorted, K={K}, {T * k} rows", ok, reps - 1))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--steps", action="store_true", help="also the kernel path's step (JIT-compiles per precision)")
+    ap.add_argument("--only", default="llama,hybrid,qmm,gather", help="which checks, comma-separated")
     ap.add_argument("--out")
     args = ap.parse_args()
 
@@ -146,7 +201,11 @@ def main() -> int:
             seed=21,
             vocab_size=512,
         )
-        rows = llama_rows(str(path), args.reps, args.steps) + hybrid_rows(tmp, args.reps)
+        only = set(args.only.split(","))
+        rows = llama_rows(str(path), args.reps, args.steps) if "llama" in only else []
+        rows += hybrid_rows(tmp, args.reps) if "hybrid" in only else []
+        rows += qmm_rows(args.reps) if "qmm" in only else []
+        rows += gather_rows(args.reps) if "gather" in only else []
     lines = [f"## Determinism on {mx.default_device()} (MLX {mx.__version__}), {args.reps} runs each", ""]
     lines += ["| target | computation | runs equal to the first |", "|---|---|---|"]
     for name, what, ok, of in rows:
