@@ -9,9 +9,10 @@ each run compared bitwise with the first:
   prefill   the target's prefill (MLX's own kernels) of one prefix on a fresh cache: logits, KV
   qmm/mm    the first layer's q_proj alone on a fixed [M, K] input, MLX's own op
   step      one width-1 decode step on the kernel path after that prefill (--steps)
-for the hybrid qwen3_5 fixture in float32: mlx-lm's forward against itself, and how far the
-recording forward (the native GDN kernel on a GPU) is from it (prove_replay's first check); and
-MLX's quantized_matmul (bits 4/8, groups 64/128, K up to 4096) and gather_qmm alone (--only).
+for the hybrid qwen3_5 and qwen3_next fixtures in float32: how far the recording forward (the
+native GDN kernel on a GPU) is from mlx-lm's and from the CPU's, and the layer's parts alone
+(hybrid_rows); and MLX's quantized_matmul (bits 4/8, groups 64/128, K from one group to 4096)
+and gather_qmm alone (--only).
 """
 
 from __future__ import annotations
@@ -90,34 +91,91 @@ def llama_rows(path, reps: int, steps: bool) -> Iterator[tuple]:
             invariance._disable(target)
 
 
+def _diff(a, b) -> str:
+    import mlx.core as mx
+
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return f"{float(mx.abs(a - b).max().item()):.3g}"
+
+
 def hybrid_rows(tmp: Path, reps: int) -> Iterator[tuple]:
+    """Per hybrid fixture in float32: mlx-lm's forward against itself, and the recording forward
+    (the native GDN kernel on a GPU) against it and against the CPU's forward of the same weights
+    (prove_replay's first check); then the GDN layer's two parts alone on random inputs (the
+    causal conv and the recurrence), each path against the CPU; and MLX's float32 matmul here
+    against the CPU's (is it float32, or TF32?)."""
     import mlx.core as mx
     from family_fixtures import write_family
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.gated_delta import compute_g, gated_delta_update
 
     import mlx_dspark as md
+    from mlx_dspark.kernels import gdn_replay
     from mlx_dspark.models import hybrid
 
-    path = write_family(tmp / "qwen3_5", "qwen3_5", seed=3, gdn_key_dim=32)
-    target, _ = md.load_target(str(path), dtype="float32", probe=False)
-    model = target.model
-    ids = mx.array([[(29 * i + 7) % target.vocab_size for i in range(12)]], dtype=mx.int32)
-    ref = model(ids, cache=make_prompt_cache(model))
-    mx.eval(ref)
-    ok = sum(mx.array_equal(ref, model(ids, cache=make_prompt_cache(model))).item() for _ in range(reps - 1))
-    rec = hybrid.convert_cache(make_prompt_cache(model))
-    ours = model(ids, cache=rec)
-    diff = float(mx.abs(ours - ref).max().item())
-    scale = 1.0 + float(mx.abs(ref).max().item())
-    kernels = sorted({str(getattr(getattr(c, "round", None), "kernel", None)) for c in rec})
-    yield ("qwen3_5 float32", "mlx-lm forward 12", ok, reps - 1)
-    yield (
-        "qwen3_5 float32",
-        f"recording forward (GDN kernel {kernels}) vs mlx-lm: max abs diff {diff:.3g}, "
-        f"prove_replay's float32 tolerance {1e-4 * scale:.3g}",
-        None,
-        None,
-    )
+    dev = mx.default_device()
+    a = mx.random.normal((64, 256), key=mx.random.key(1))
+    b = mx.random.normal((256, 256), key=mx.random.key(2))
+    here, cpu = a @ b, mx.matmul(a, b, stream=mx.cpu)
+    rel = float((mx.abs(here - cpu).max() / mx.abs(cpu).max()).item())
+    yield ("float32", f"matmul 64x256x256 here vs CPU: max rel diff {rel:.2g}", None, None)
+    for fam in ("qwen3_5", "qwen3_next"):
+        path = write_family(tmp / fam, fam, seed=3, gdn_key_dim=32)
+        target, _ = md.load_target(str(path), dtype="float32")
+        model = target.model
+        ids = mx.array([[(29 * i + 7) % target.vocab_size for i in range(12)]], dtype=mx.int32)
+        ref = model(ids, cache=make_prompt_cache(model))
+        mx.eval(ref)
+        ok = sum(mx.array_equal(ref, model(ids, cache=make_prompt_cache(model))).item() for _ in range(reps - 1))
+        yield (f"{fam} float32", "mlx-lm forward 12", ok, reps - 1)
+        rec = target.make_cache()
+        ours = model(ids, cache=rec)
+        kernels = sorted({str(getattr(getattr(c, "round", None), "kernel", None)) for c in rec} - {"None"})
+        mx.set_default_device(mx.cpu)
+        on_cpu = model(ids, cache=make_prompt_cache(model))
+        mx.eval(on_cpu)
+        mx.set_default_device(dev)
+        tol = 1e-4 * (1.0 + float(mx.abs(ref).max().item()))
+        yield (
+            f"{fam} float32",
+            f"logits, max abs diff: recording forward (GDN kernel {kernels or 'none'}) vs mlx-lm {_diff(ours, ref)}, "
+            f"vs the CPU {_diff(ours, on_cpu)}; mlx-lm vs the CPU {_diff(ref, on_cpu)}; "
+            f"prove_replay's tolerance {tol:.3g}; rollback {target.rollback_kind}",
+            None,
+            None,
+        )
+        m = next(x for x in hybrid.gdn_modules(target.layers) if x is not None)
+        x = mx.random.normal((1, 15, m.conv_dim), key=mx.random.key(3))
+        conv, dw = m.conv1d(x), hybrid.depthwise_conv(m.conv1d, x)
+        mx.set_default_device(mx.cpu)
+        conv_cpu = m.conv1d(x)
+        mx.eval(conv_cpu)
+        mx.set_default_device(dev)
+        yield (
+            f"{fam} float32",
+            f"conv, max abs diff: conv1d vs CPU {_diff(conv, conv_cpu)}, depthwise vs CPU {_diff(dw, conv_cpu)}",
+            None,
+            None,
+        )
+        k = mx.random.split(mx.random.key(4), 5)
+        T, Hk, Hv, Dk, Dv = 7, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+        q = mx.random.normal((1, T, Hk, Dk), key=k[0]) * Dk**-0.5
+        kk = mx.random.normal((1, T, Hk, Dk), key=k[1])
+        kk = kk / mx.linalg.norm(kk, axis=-1, keepdims=True)
+        v = mx.random.normal((1, T, Hv, Dv), key=k[2])
+        aa, bb = mx.random.normal((1, T, Hv), key=k[3]), mx.random.normal((1, T, Hv), key=k[4])
+        y_ml, _ = gated_delta_update(q, kk, v, aa, bb, m.A_log, m.dt_bias, None, None)
+        g, beta = compute_g(m.A_log, aa, m.dt_bias), mx.sigmoid(bb)
+        state = mx.zeros((1, Hv, Dv, Dk), dtype=mx.float32)
+        mx.set_default_device(mx.cpu)
+        y_cpu, _ = gated_delta_update(q, kk, v, aa, bb, m.A_log, m.dt_bias, None, None)
+        mx.eval(y_cpu)
+        mx.set_default_device(dev)
+        line = f"recurrence T=7, max abs diff: mlx-lm here vs CPU {_diff(y_ml, y_cpu)}"
+        if gdn_replay.replay_path() == "cuda":
+            y_k, _ = gdn_replay.gdn_recurrence_gpu(q, kk, v, g, beta, state, lang="cuda")
+            line += f", the native kernel vs CPU {_diff(y_k, y_cpu)}"
+        yield (f"{fam} float32", line, None, None)
 
 
 def qmm_rows(reps: int) -> Iterator[tuple]:
@@ -127,7 +185,7 @@ def qmm_rows(reps: int) -> Iterator[tuple]:
 
     for bits in (4, 8):
         for group in (64, 128):
-            for K in (128, 256, 1024, 4096):
+            for K in sorted({group, 2 * group, 1024, 4096}):
                 w = mx.random.normal((512, K), key=mx.random.key(K)).astype(mx.bfloat16)
                 wq, s, b = mx.quantize(w, group_size=group, bits=bits)
                 wd = mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32)
@@ -150,7 +208,7 @@ def gather_rows(reps: int) -> Iterator[tuple]:
     """MLX's gather_qmm as mlx-lm's MoE layers call it (sorted rows), bf16 4-bit group 64."""
     import mlx.core as mx
 
-    for K in (128, 1024):
+    for K in (64, 128, 1024):
         E, N, T, k = 8, 256, 40, 2
         w = mx.random.normal((E, N, K), key=mx.random.key(1)).astype(mx.bfloat16)
         wq, s, b = mx.quantize(w, group_size=64, bits=4)

@@ -124,6 +124,7 @@ def route_causal_attention_to_invariant_op() -> None:
 
 
 _linear_originals: dict | None = None
+OWN_PRODUCT = "_mlx_dspark_own_product"  # instance attribute: (layer, x, ...) -> y, set by checked_qmm
 
 
 def route_linears_to_invariant_op() -> None:
@@ -132,7 +133,9 @@ def route_linears_to_invariant_op() -> None:
     kernels.invariant.active() is on in the calling thread, they compute through the row-invariant
     product of kernels/invariant_linear.py (where it supports the layer: affine 2/4/8-bit, float
     weights); every other call, thread and layer kind keeps MLX's own op. mlx-lm's MoE expert
-    layers are routed the same way (_route_experts)."""
+    layers are routed the same way (_route_experts). A quantized layer that kernels/checked_qmm.py
+    marked (MLX's product is wrong or not reproducible for its kind on this device) computes its
+    other calls as dequantize + dense matmul."""
     global _linear_originals
     import mlx.nn as nn
 
@@ -154,6 +157,9 @@ def route_linears_to_invariant_op() -> None:
                 y = invariant_linear.call(self, x, as_linear=_as_linear)
                 if y is not None:
                     return y
+            product = vars(self).get(OWN_PRODUCT)  # MLX's product failed its load check here
+            if product is not None:
+                return product(self, x)
             return _original(self, x)
 
         originals[(cls, attr)] = original
@@ -193,6 +199,9 @@ def _route_experts(originals: dict) -> None:
                 y = invariant_gather.call(self, x, indices)
                 if y is not None:
                     return y + mx.expand_dims(self["bias"][indices], -2) if "bias" in self else y
+            product = vars(self).get(OWN_PRODUCT)
+            if product is not None:
+                return product(self, x, indices, sorted_indices)
             return _original(self, x, indices, sorted_indices)
 
         originals[(cls, "__call__")] = original

@@ -119,7 +119,7 @@ def _verdict_key(target, mode: str) -> dict:
     tc = target.config.get("text_config", target.config)
     dtypes, quant = weights_summary(target.model)
     return {
-        "v": 1,
+        "v": 2,
         "mlx": mx.__version__,
         "mlx_dspark": __version__,
         "native_ext": native.ext(warn=False) is not None,
@@ -129,6 +129,7 @@ def _verdict_key(target, mode: str) -> dict:
         "dtypes": dtypes,
         "quant": quant,
         "kv_bits": target.kv_bits,
+        "dense_products": getattr(target, "dense_products", []),
         "mode": mode,
         "width": decode_width(),
         "env": {

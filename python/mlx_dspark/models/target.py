@@ -26,6 +26,7 @@ import mlx.nn as nn
 
 from ..compat import tap_decoder_layers
 from ..errors import UserError, option
+from ..kernels import checked_qmm
 from . import invariance, sliding
 
 
@@ -96,6 +97,7 @@ class Target:
         self.invariant_kernels = False
         self.decode_width = 0
         self.invariance = "unchecked"
+        self.dense_products: list[str] = []  # set by probe(): MLX products this target routes around
 
     # ------------------------------------------------------------------ cache
     def make_cache(self) -> list:
@@ -288,6 +290,8 @@ class Target:
                     f"tap layer {t} is out of range: the target has {self.num_layers} layers (0..{self.num_layers - 1})"
                 )
         self.rollback_refusal = self.tap_refusal = None
+        # MLX quantized products that are wrong or not reproducible here go dense (checked_qmm.py).
+        self.dense_products = checked_qmm.check_model(self.model)
         self._choosing_path, self._rollback_checked = True, None
         try:
             self.invariance = invariance.choose(self)
