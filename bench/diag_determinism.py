@@ -144,6 +144,12 @@ def hybrid_rows(tmp: Path, reps: int) -> Iterator[tuple]:
             None,
             None,
         )
+        yield (
+            f"{fam} float32",
+            f"kernel parts: {hybrid.kernel_parts_differ(rec) or 'each as float32 on the CPU'}",
+            None,
+            None,
+        )
         m = next(x for x in hybrid.gdn_modules(target.layers) if x is not None)
         x = mx.random.normal((1, 15, m.conv_dim), key=mx.random.key(3))
         conv, dw = m.conv1d(x), hybrid.depthwise_conv(m.conv1d, x)

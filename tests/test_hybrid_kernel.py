@@ -296,3 +296,30 @@ def test_depthwise_conv_is_the_layers_conv_at_any_width():
         for t in range(L - K + 1):
             one = hybrid.depthwise_conv(conv, x[:, t : t + K, :])
             assert mx.array_equal(one[:, 0], got[:, t]).item()
+
+
+def test_the_kernel_route_is_proven_by_its_parts(tmp_path, stand_in_kernel, monkeypatch):
+    """Where the kernel route's logits are not mlx-lm's bitwise (on CUDA mlx-lm's own float32 conv
+    is not float32-exact), the proof checks each GDN layer's conv and recurrence against the CPU's
+    float32 on the inputs it recorded, and the recording forward without the kernel bitwise: a
+    sound route is accepted (its rollback replays), a recurrence off by 1e-3 is refused by name."""
+    from mlx_dspark.models import hybrid
+
+    tgt, _ = _kernel_target(tmp_path, seed=8)
+    c = tgt.make_cache()
+    tgt.forward(mx.array([[4, 8, 15, 16, 23]]), c)
+    assert hybrid.kernel_parts_differ(c) is None
+    with hybrid.native_kernel_off():
+        off = tgt.make_cache()
+        tgt.forward(mx.array([[4, 8, 15]]), off)
+    assert all(getattr(getattr(x, "round", None), "kernel", None) is None for x in off)
+    sound = gr.gdn_recurrence_gpu  # the stand-in
+
+    def off_by_1e3(q, k, v, g, beta, state, lang="cuda"):
+        y, s = sound(q, k, v, g, beta, state, lang)
+        return (None if y is None else y * 1.001), s
+
+    monkeypatch.setattr(gr, "gdn_recurrence_gpu", off_by_1e3)
+    assert "the native GDN kernel differs from the float32 recurrence" in hybrid.kernel_parts_differ(c)
+    tgt, _ = _kernel_target(tmp_path, seed=8)
+    assert tgt.rollback_kind.startswith("none (layer ") and "native GDN kernel differs" in tgt.rollback_kind
