@@ -111,3 +111,23 @@ def test_the_setting_is_checked(monkeypatch):
         checked_qmm.enabled()
     monkeypatch.setenv("MLX_DSPARK_QMM_CHECK", "auto")
     assert checked_qmm.enabled() is (mx.default_device() != mx.cpu)
+
+
+def test_a_product_that_fails_to_launch_is_routed_dense(model_dir, check_on, monkeypatch):
+    """MLX's float32 group-128 product on CUDA raises at eval (measured); the layer goes dense."""
+    path = model_dir("llama", layers=2, hidden=64, intermediate=128, seed=5)
+    product = mx.quantized_matmul
+
+    def failing(x, w, *args, group_size=64, **kw):
+        if x.shape[-1] == group_size and x.size // x.shape[-1] > 17:
+            raise RuntimeError("cuGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed: invalid argument")
+        return product(x, w, *args, group_size=group_size, **kw)
+
+    monkeypatch.setattr(mx, "quantized_matmul", failing)
+    target, tok = md.load_target(str(path), dtype="float32", quantize=4)
+    assert target.dense_products and all("fails to run (cuGraphAddKernelNode" in d for d in target.dense_products)
+    ids = list(range(3, 33))
+    assert _same(_prefilled(target, ids), _prefilled(target, ids))
+    base = md.generate(target, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=16)
+    look = md.generate(target, tok, None, prompt_ids=ids, mode="lookup", max_new_tokens=16)
+    assert (look.tokens, look.text) == (base.tokens, base.text)

@@ -302,10 +302,12 @@ def prove_replay(model, make_cache: Callable[[], list], vocab: int, forward: Cal
         if not any(getattr(getattr(c, "round", None), "kernel", None) for c in rec):
             return _NOT_MLX_LM
         # The native-kernel route sums its conv and recurrence in its own order, so its logits
-        # are not mlx-lm's bitwise, and they are not a measure either: mlx-lm's own float32 conv
-        # on CUDA is not float32-exact (bench/results/hybrid-replay-h200.md). So: the recording
-        # forward without the kernel must be mlx-lm's bitwise, and the kernel route's two parts
-        # float32 arithmetic on the CPU, on the inputs each layer just recorded.
+        # are not mlx-lm's bitwise, and how far they are is not a measure either: MLX's float32
+        # matmul on CUDA is 3e-4 relative from the CPU's (TF32-like), which turns the kernel's
+        # last-bit differences into logits 4x past float32 tolerance (qwen3_5 fixture, H200:
+        # bench/results/hybrid-replay-h200.md). So: the recording forward without the kernel must
+        # be mlx-lm's bitwise, and the route's two parts the CPU's float32 on what each layer
+        # recorded.
         why = kernel_parts_differ(rec)
         if why is not None:
             return why
