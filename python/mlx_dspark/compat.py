@@ -133,9 +133,9 @@ def route_linears_to_invariant_op() -> None:
     kernels.invariant.active() is on in the calling thread, they compute through the row-invariant
     product of kernels/invariant_linear.py (where it supports the layer: affine 2/4/8-bit, float
     weights); every other call, thread and layer kind keeps MLX's own op. mlx-lm's MoE expert
-    layers are routed the same way (_route_experts). A quantized layer that kernels/checked_qmm.py
-    marked (MLX's product is wrong or not reproducible for its kind on this device) computes its
-    other calls as dequantize + dense matmul."""
+    layers are routed the same way (_route_experts). A quantized layer to which
+    kernels/checked_qmm.py gave its own product (the instance attribute OWN_PRODUCT: MLX's is
+    wrong or not reproducible for its kind on this device) computes its other calls with it."""
     global _linear_originals
     import mlx.nn as nn
 

@@ -11,12 +11,13 @@ fails on it.
 
 `check_model(model)` runs MLX's product once per distinct layer kind (bits, group size, mode,
 dtype, K, N; the experts' gather_qmm too) at a few widths, on random inputs and the layer's own
-weights: it runs, gives the same bits on three runs, finite, and within a loose bound of the dequantized float32
-product (the bound catches garbage, not rounding: the CPU's half-precision quantized product
-accumulates in half precision, ~0.2 relative at K = 4096). A layer whose kind fails gets its own
-product (compat.OWN_PRODUCT), which compat.py's routing calls outside the invariant decode path
-(the prefill, and mlx-lm's own forward): dequantize + dense matmul, the form kernels/wide_gemm.py uses for wide
-prefills; the decode path already runs the invariant kernels. Verdicts are kept per process.
+weights: it must run, give the same bits on three runs, be finite and lie within a loose bound
+of the dequantized float32 product (the bound catches garbage, not rounding: the CPU's
+half-precision quantized product accumulates in half precision, ~0.2 relative at K = 4096). A
+layer whose kind fails gets its own product (compat.OWN_PRODUCT: dequantize + dense matmul, the
+form kernels/wide_gemm.py uses for wide prefills), which compat.py's routing calls outside the
+invariant decode path (the prefill, and mlx-lm's own forward); decode and verify already run the
+invariant kernels. Verdicts are kept per process.
 
 MLX_DSPARK_QMM_CHECK = auto (default: on a GPU) | on (the CPU too) | off.
 """
