@@ -84,80 +84,62 @@ def _dequantized(layer, w, s, b) -> mx.array:
     ).astype(mx.float32)
 
 
+def _verdict(key: tuple, what: str, dtype, case) -> str | None:
+    """The cached verdict for `key`, else `case(M)` -> (product, reference, slice_of) judged at
+    each of ROWS until one fails."""
+    if key not in _verdicts:
+        why = None
+        for M in ROWS:
+            why = _judge(*case(M), dtype, f"{what}, {M} rows")
+            if why:
+                break
+        _verdicts[key] = why
+    return _verdicts[key]
+
+
 def check_linear(layer) -> str | None:
     """None when MLX's quantized_matmul is reproducible and sane for this layer's kind, else why not."""
     w, s, b = layer["weight"], layer["scales"], layer.get("biases")
-    mode = getattr(layer, "mode", "affine")
-    N, K, dtype = w.shape[0], layer.group_size * s.shape[-1], s.dtype
-    key = (str(mx.default_device()), "linear", layer.bits, layer.group_size, mode, str(dtype), K, N)
-    if key in _verdicts:
-        return _verdicts[key]
+    mode, gs, bits = getattr(layer, "mode", "affine"), layer.group_size, layer.bits
+    N, K, dtype = w.shape[0], gs * s.shape[-1], s.dtype
     n = min(N, SLICE)
     ref_w = _dequantized(layer, w[:n], s[:n], None if b is None else b[:n])
-    why = None
-    for M in ROWS:
+
+    def case(M):
         x = mx.random.normal((M, K), key=mx.random.key(1000 * M + K)).astype(dtype)
 
-        def product(x=x):
-            return mx.quantized_matmul(
-                x, w, s, b, transpose=True, group_size=layer.group_size, bits=layer.bits, mode=mode
-            )
+        def product():
+            return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=gs, bits=bits, mode=mode)
 
-        why = _judge(
-            product,
-            x.astype(mx.float32) @ ref_w.T,
-            lambda y: y[:, :n],
-            dtype,
-            f"quantized_matmul {layer.bits}-bit group {layer.group_size}, K {K}, N {N}, {M} rows",
-        )
-        if why:
-            break
-    _verdicts[key] = why
-    return why
+        return product, x.astype(mx.float32) @ ref_w.T, lambda y: y[:, :n]
+
+    key = (str(mx.default_device()), "linear", bits, gs, mode, str(dtype), K, N)
+    return _verdict(key, f"quantized_matmul {bits}-bit group {gs}, K {K}, N {N}", dtype, case)
 
 
 def check_experts(layer) -> str | None:
     """The same for an mlx-lm QuantizedSwitchLinear (mx.gather_qmm over sorted rows, as its MoE
     blocks call it)."""
     w, s, b = layer["weight"], layer["scales"], layer.get("biases")
-    mode = getattr(layer, "mode", "affine")
-    E, N, K, dtype = w.shape[0], w.shape[1], layer.group_size * s.shape[-1], s.dtype
-    key = (str(mx.default_device()), "experts", layer.bits, layer.group_size, mode, str(dtype), E, K, N)
-    if key in _verdicts:
-        return _verdicts[key]
+    mode, gs, bits = getattr(layer, "mode", "affine"), layer.group_size, layer.bits
+    E, N, K, dtype = w.shape[0], w.shape[1], gs * s.shape[-1], s.dtype
     e, n = min(E, 4), min(N, SLICE)
     ref_w = _dequantized(layer, w[:e, :n], s[:e, :n], None if b is None else b[:e, :n])
-    why = None
-    for M in ROWS:
+
+    def case(M):
         x = mx.random.normal((M, 1, K), key=mx.random.key(1000 * M + K + 1)).astype(dtype)
         idx = mx.sort(mx.random.randint(0, e, (M,), key=mx.random.key(M)).astype(mx.uint32))
 
-        def product(x=x, idx=idx):
+        def product():
             return mx.gather_qmm(
-                x,
-                w,
-                s,
-                b,
-                rhs_indices=idx,
-                transpose=True,
-                group_size=layer.group_size,
-                bits=layer.bits,
-                mode=mode,
-                sorted_indices=True,
+                x, w, s, b, rhs_indices=idx, transpose=True, group_size=gs, bits=bits, mode=mode, sorted_indices=True
             )
 
         ref = mx.einsum("mk,mnk->mn", x[:, 0].astype(mx.float32), ref_w[idx])
-        why = _judge(
-            product,
-            ref,
-            lambda y: y[:, 0, :n],
-            dtype,
-            f"gather_qmm {layer.bits}-bit group {layer.group_size}, {E} experts, K {K}, N {N}, {M} rows",
-        )
-        if why:
-            break
-    _verdicts[key] = why
-    return why
+        return product, ref, lambda y: y[:, 0, :n]
+
+    key = (str(mx.default_device()), "experts", bits, gs, mode, str(dtype), E, K, N)
+    return _verdict(key, f"gather_qmm {bits}-bit group {gs}, {E} experts, K {K}, N {N}", dtype, case)
 
 
 def _checkable(m) -> bool:
