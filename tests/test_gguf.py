@@ -527,3 +527,39 @@ def test_convert_subcommand(tmp_path, capsys):
     assert main(["convert", str(bad), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "truncated" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_gemma3_tokenizer_on_a_transformers_without_its_key(tmp_path, monkeypatch):
+    """Releases of transformers whose converter table lacks "gemma3" (5.17, the H200 image: it has
+    "gemma3_text" and "gemma2") build Gemma 3's tokenizer under the first alias they know; the files
+    are the same as where the key exists."""
+    from mlx_dspark.models.gguf import tokenizer as T
+
+    W = original_weights(seed=11, arch="gemma3", layers=6)
+    write_gguf(tmp_path / "g.gguf", W, {n: QT.Q8_0 for n, w in W.items() if w.ndim == 2}, arch="gemma3")
+    G.convert_gguf(tmp_path / "g.gguf", tmp_path / "with-key", dtype="float32")
+    import transformers  # the release that built the tokenizer: without it, 5.0-5.17 take the folder for Mistral's
+
+    cfg = json.loads((tmp_path / "with-key" / "config.json").read_text())
+    assert cfg["transformers_version"] == transformers.__version__
+    mapping, convert = T._converter()
+    asked = []
+
+    def old_convert(arch, tok_dict):
+        asked.append(arch)
+        if arch in ("gemma3", "gemma3_text"):
+            raise KeyError(arch)
+        return convert("gemma3", tok_dict)  # what the key's converter builds
+
+    monkeypatch.setattr(T, "_converter", lambda: (mapping, old_convert))
+    G.convert_gguf(tmp_path / "g.gguf", tmp_path / "without-key", dtype="float32")
+    assert asked == ["gemma3", "gemma3_text", "gemma2"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "without-key" / name).read_bytes() == (tmp_path / "with-key" / name).read_bytes()
+
+    def no_converter(arch, tok_dict):
+        raise KeyError(arch)
+
+    monkeypatch.setattr(T, "_converter", lambda: (mapping, no_converter))
+    with pytest.raises(UserError, match="could not build a tokenizer"):
+        G.convert_gguf(tmp_path / "g.gguf", tmp_path / "none", dtype="float32")

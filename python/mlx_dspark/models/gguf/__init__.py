@@ -31,7 +31,7 @@ from ...paths import cache_root
 from . import arch as archs
 from . import quant as gq
 from .reader import GGUFFile
-from .tokenizer import write_tokenizer
+from .tokenizer import transformers_version, write_tokenizer
 
 CONVERTER_VERSION = 1  # bump when the converted layout changes: old cache entries are then ignored
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -171,6 +171,9 @@ def convert_gguf(
         cfg["quantization"] = {"group_size": 64, "bits": bits, "mode": "affine", **qmap}
         cfg["quantization_config"] = cfg["quantization"]
     cfg["torch_dtype"] = dtype
+    # The release whose converters write the tokenizer files below. Without it, transformers 5.0-5.17
+    # take any local folder for a Mistral one and warn of "incorrect tokenization" at every load.
+    cfg["transformers_version"] = transformers_version()
 
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)

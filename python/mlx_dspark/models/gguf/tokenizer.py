@@ -29,6 +29,38 @@ def _converter():
     return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
 
+# The names under which transformers releases file an architecture's GGUF tokenizer rules. The
+# file says "gemma3"; releases of transformers 5.x before its tokenizer-builder rewrite (5.17 on
+# the H200 image) look the converter up in a table keyed "gemma3_text" and "gemma2" (KeyError on
+# "gemma3"); all of them build Gemma's sentencepiece tokenizer.
+TOKENIZER_ALIASES = {
+    "gemma3": ("gemma3_text", "gemma2"),
+    "gemma4": ("gemma4_text", "gemma2"),
+}
+
+
+def convert_for(convert, arch: str, tok_dict: dict):
+    """convert(arch, tok_dict), else under the first alias the installed transformers knows."""
+    try:
+        return convert(arch, tok_dict)
+    except KeyError as e:
+        if e.args[:1] != (arch,):
+            raise
+        for alias in TOKENIZER_ALIASES.get(arch, ()):
+            try:
+                return convert(alias, tok_dict)
+            except KeyError as again:
+                if again.args[:1] != (alias,):
+                    raise
+        raise
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _plain(v):
     return v.tolist() if hasattr(v, "tolist") else v
 
@@ -68,7 +100,7 @@ def write_tokenizer(meta: dict, out: Path, source: str) -> None:
     try:
         mapping, convert = _converter()
         arch, tok_dict, tok_cfg = tokenizer_parts(meta, mapping)
-        backend, extra = convert(arch, tok_dict)
+        backend, extra = convert_for(convert, arch, tok_dict)
         tok = PreTrainedTokenizerFast(tokenizer_object=backend, **{**tok_cfg, **extra})
         tok.save_pretrained(str(out))
     except UserError:
