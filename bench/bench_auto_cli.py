@@ -7,7 +7,7 @@ For each BLAS setting (reference = MLX_DSPARK_OPENBLAS=0, the new user's machine
 the CLI preloads) and each content class (the first prompt of benchmark.PROMPT_SETS), it runs
 `--mode auto` (the default) and `--mode baseline` in alternation, `--reps` times each, every run a
 new process with `--json`, and reports the ratio of the median decode tok/s (and of the median
-end-to-end wall time of the process). Both sides decode the same tokens (checked). The first auto
+end-to-end wall time of the process). Both sides decode the same tokens and text (checked). The first auto
 run of each BLAS setting pays the one-time calibration (decode/costs.py): it is timed and
 reported, and not counted. The calibration cache is a fresh folder (MLX_DSPARK_CACHE), never ~/.cache.
 
@@ -57,6 +57,7 @@ def one_run(mode: str, prompt: str, n: int, env: dict) -> dict:
         "tps": d["timings"]["decode_tps"],
         "wall": wall,
         "tokens": d["tokens"],
+        "text": d["text"],
         "accept": d.get("mean_accept_len"),
         "stats": d.get("stats", {}),
         "notice": [l for l in out.stderr.splitlines() if "speculation cannot pay" in l],
@@ -97,7 +98,7 @@ def main() -> int:
         )
         emit(
             "| class | baseline tok/s (median) | auto tok/s (median) | ratio decode | ratio wall | auto ran | "
-            "accept | same tokens |\n|---|---|---|---|---|---|---|---|",
+            "accept | same tokens and text |\n|---|---|---|---|---|---|---|---|",
             a.out,
         )
         for cls in classes:
@@ -110,7 +111,7 @@ def main() -> int:
             b, x = runs["baseline"], runs["auto"]
             mb, mx_ = statistics.median(r["tps"] for r in b), statistics.median(r["tps"] for r in x)
             wb, wx = statistics.median(r["wall"] for r in b), statistics.median(r["wall"] for r in x)
-            same = all(r["tokens"] == b[0]["tokens"] for r in b + x)
+            same = all(r["tokens"] == b[0]["tokens"] and r["text"] == b[0]["text"] for r in b + x)
             emit(
                 f"| {cls} | {mb:.2f} | {mx_:.2f} | {mx_ / mb:.3f}x | {wb / wx:.3f}x | {x[0]['mode']} | "
                 f"{x[0]['accept']:.2f} | {'yes' if same else 'NO'} |",
