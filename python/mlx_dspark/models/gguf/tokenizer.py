@@ -41,18 +41,13 @@ TOKENIZER_ALIASES = {
 
 def convert_for(convert, arch: str, tok_dict: dict):
     """convert(arch, tok_dict), else under the first alias the installed transformers knows."""
-    try:
-        return convert(arch, tok_dict)
-    except KeyError as e:
-        if e.args[:1] != (arch,):
-            raise
-        for alias in TOKENIZER_ALIASES.get(arch, ()):
-            try:
-                return convert(alias, tok_dict)
-            except KeyError as again:
-                if again.args[:1] != (alias,):
-                    raise
-        raise
+    names = (arch, *TOKENIZER_ALIASES.get(arch, ()))
+    for name in names:
+        try:
+            return convert(name, tok_dict)
+        except KeyError as e:  # only "no converter under this name" moves on to the next
+            if e.args[:1] != (name,) or name == names[-1]:
+                raise
 
 
 def transformers_version() -> str:
