@@ -31,7 +31,7 @@ geometric mean over prompts. Lossless: each side's DSpark ids and text against i
 --eval-dir/{humaneval,mbpp,mt-bench,math500}.jsonl. A --budget-s guard stops timed passes early.
 
 Peer install (offline): `pip install --no-deps --no-index --target <work>/peer_site` of the wheels
-in --peer-wheels (default .device-carry-src/peer-wheels, untracked): mlx_dspark-0.20.3 and mlx_vlm
+in --peer-wheels (default .device-carry/peer-wheels, git-ignored): mlx_dspark-0.20.3 and mlx_vlm
 go first on the peer's path (its model.py imports mlx_vlm's rope utils); the others only fill gaps
 behind the machine's own packages. The wheels to carry to the H200 (Python 3.12, no index):
   mlx_dspark-0.20.3-py3-none-any.whl     the peer (pure Python)
@@ -42,7 +42,7 @@ behind the machine's own packages. The wheels to carry to the H200 (Python 3.12,
 Made here with:
   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    -d .device-carry-src/peer-wheels mlx-vlm==0.7.10 requests==2.34.2 urllib3==2.8.0 certifi idna \
+    -d .device-carry/peer-wheels mlx-vlm==0.7.10 requests==2.34.2 urllib3==2.8.0 certifi idna \
     charset-normalizer pillow   (plus the peer's wheel copied in)
 mlx, mlx-cuda-13, mlx-lm come from the machine's /tmp/site as for every other bench script.
 """
@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "python"
 ASSET = SRC / "mlx_dspark" / "assets" / "dspark-smollm2-135m-instruct"
 EVAL_DIR = ROOT.parent / "shared" / "data" / "prompts" / "eval"
-WHEELS = ROOT / ".device-carry-src" / "peer-wheels"
+WHEELS = ROOT / ".device-carry" / "peer-wheels"
 DOMAINS = ("humaneval", "mbpp", "mt-bench", "math500")
 CODE, CHAT = ("humaneval", "mbpp"), ("mt-bench",)
 FRONT = ("mlx_dspark-", "mlx_vlm-")  # wheels that go ahead of the machine's packages on the peer's path

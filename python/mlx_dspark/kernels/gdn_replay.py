@@ -25,7 +25,7 @@ import functools
 
 import mlx.core as mx
 
-from .gpu_source import GPU_DIR, Instance
+from .gpu_source import Instance, instance, make_kernel
 
 THREADS = 128  # DS_GR_THREADS: 4 state rows of 32 lanes per threadgroup
 MAX_DK = 256  # DS_GR_MAX_DK
@@ -50,17 +50,15 @@ _METAL_LAUNCH = (
 )
 
 
-@functools.lru_cache(maxsize=None)
-def _body() -> str:
-    return "".join((GPU_DIR / f).read_text() + "\n" for f in ("ds_portable.h", "gdn_replay.h"))
+BODY_FILES = ("ds_portable.h", "gdn_replay.h")
 
 
 def cuda_instance() -> Instance:
-    return Instance("ds_gdn_replay", INPUTS, OUTPUTS, _CUDA_LAUNCH + _CALL, _body())
+    return instance("ds_gdn_replay", INPUTS, OUTPUTS, _CUDA_LAUNCH + _CALL, BODY_FILES)
 
 
 def metal_instance() -> Instance:
-    return Instance("ds_gdn_replay", INPUTS, OUTPUTS, _METAL_LAUNCH + _CALL, _body())
+    return instance("ds_gdn_replay", INPUTS, OUTPUTS, _METAL_LAUNCH + _CALL, BODY_FILES)
 
 
 def gdn_recurrence_reference(
@@ -91,15 +89,7 @@ def gdn_replay_reference(k: mx.array, v: mx.array, g: mx.array, beta: mx.array, 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(lang: str):
-    inst = cuda_instance() if lang == "cuda" else metal_instance()
-    make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
-    return make(
-        name=inst.name,
-        input_names=list(inst.input_names),
-        output_names=list(inst.output_names),
-        source=inst.source,
-        header=inst.header,
-    )
+    return make_kernel(lang, cuda_instance() if lang == "cuda" else metal_instance())
 
 
 def supported(k: mx.array, v: mx.array, state: mx.array) -> bool:

@@ -8,20 +8,12 @@ import threading
 
 import mlx.core as mx
 
-from .gpu_source import GA_CHUNK, GA_THREADS, SA_THREADS, SA_THREADS_METAL, cuda_instances, metal_instances
+from .gpu_source import GA_CHUNK, GA_THREADS, SA_THREADS, SA_THREADS_METAL, cuda_instances, make_kernel, metal_instances
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(lang: str, key: str):
-    inst = (cuda_instances() if lang == "cuda" else metal_instances())[key]
-    make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
-    return make(
-        name=inst.name,
-        input_names=list(inst.input_names),
-        output_names=list(inst.output_names),
-        source=inst.source,
-        header=inst.header,
-    )
+    return make_kernel(lang, (cuda_instances() if lang == "cuda" else metal_instances())[key])
 
 
 _placeholders: dict = {}

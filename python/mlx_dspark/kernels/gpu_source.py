@@ -12,6 +12,8 @@ body's `ds_ctx` and pointers; every computation is in the body.
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +29,14 @@ SA_THREADS_METAL = 512  # a Metal pipeline may allow fewer than 1024 threads; th
 
 @functools.lru_cache(maxsize=None)
 def body_text() -> str:
-    """The portability header and every kernel body, concatenated (JIT compilers see no files)."""
-    return "".join((GPU_DIR / f).read_text() + "\n" for f in BODY_FILES)
+    """The portability header and the accept bodies, concatenated (JIT compilers see no files)."""
+    return body(*BODY_FILES)
+
+
+@functools.lru_cache(maxsize=None)
+def body(*files: str) -> str:
+    """The kernel bodies in `files` (names in GPU_DIR), concatenated, as `compact` text."""
+    return compact("".join((GPU_DIR / f).read_text() + "\n" for f in files))
 
 
 def compact(text: str) -> str:
@@ -43,13 +51,99 @@ def compact(text: str) -> str:
 
 @dataclass(frozen=True)
 class Instance:
-    """One kernel of one language, as `mx.fast.{metal,cuda}_kernel` takes it."""
+    """One kernel of one language, as `mx.fast.{metal,cuda}_kernel` takes it. `files`: the body
+    files (in GPU_DIR) that `header` is the text of, so that make_kernel can include them instead."""
 
     name: str
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
     source: str
     header: str = field(default="", repr=False)
+    files: tuple[str, ...] = ()
+
+
+def instance(name: str, inputs, outputs, source: str, files: tuple[str, ...]) -> Instance:
+    """An Instance whose header is the body text of `files`."""
+    return Instance(name, tuple(inputs), tuple(outputs), source, body(*files), tuple(files))
+
+
+# --------------------------------------------------------------------- making the kernels
+# MLX's cuda_kernel writes the header into the kernel text of every launch and hashes that text
+# again when it evaluates the launch (to find the compiled module): with a body of 12-19 kB, that
+# is most of the 5-8 us of host time a launch costs on top of MLX's own ops (H200 profile,
+# bench/results/invariance-h200.md), and a small model's decode pays it ~150 times a step. NVRTC
+# reads #include files from disk, so on CUDA the header is the files' #include lines (plus their
+# digest, so a changed body is a new module): the same program, a few hundred bytes per launch.
+
+
+def _include_line(path: Path) -> str | None:
+    p = str(path)
+    if not p.isascii() or any(ch in p for ch in '"\\\n'):  # not sayable in an #include "..."
+        return None
+    return f'#include "{p}"\n'
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_include_header(files: tuple[str, ...]) -> str | None:
+    """The #include form of `files`' header, or None where it cannot be written or does not work
+    here (MLX_DSPARK_CUDA_INCLUDE=0 turns it off)."""
+    if not files or os.environ.get("MLX_DSPARK_CUDA_INCLUDE", "1").strip() == "0" or not _includes_work():
+        return None
+    lines = [_include_line(GPU_DIR / f) for f in files]
+    if None in lines:
+        return None
+    digest = hashlib.sha1("".join((GPU_DIR / f).read_text() for f in files).encode()).hexdigest()[:16]
+    return f"// mlx-dspark bodies {digest}\n" + "".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def _includes_work() -> bool:
+    """Whether NVRTC, through mx.fast.cuda_kernel, compiles and runs a kernel whose header is an
+    #include of ds_portable.h (tried once per process on the GPU)."""
+    import mlx.core as mx
+
+    line = _include_line(GPU_DIR / "ds_portable.h")
+    if line is None:
+        return False
+    try:
+        probe = mx.fast.cuda_kernel(
+            name="ds_include_probe",
+            input_names=["x"],
+            output_names=["y"],
+            source="  y[0] = ds_fma(ds_to_float(x[0]), 2.0f, 1.0f);\n",
+            header=line,
+        )
+        (y,) = probe(
+            inputs=[mx.array([3.0], dtype=mx.float32)],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[(1,)],
+            output_dtypes=[mx.float32],
+        )
+        return float(y.item()) == 7.0
+    except Exception:  # an NVRTC that does not read files: the inline text works everywhere
+        return False
+
+
+def make_kernel(lang: str, inst: Instance, ensure_row_contiguous: bool = True):
+    """The `mx.fast.cuda_kernel` (lang "cuda") or `mx.fast.metal_kernel` of `inst`; on CUDA the
+    body files are #included where that works (see above), else their text is inlined."""
+    import mlx.core as mx
+
+    header = inst.header
+    if lang == "cuda":
+        make = mx.fast.cuda_kernel
+        header = cuda_include_header(inst.files) or header
+    else:
+        make = mx.fast.metal_kernel
+    return make(
+        name=inst.name,
+        input_names=list(inst.input_names),
+        output_names=list(inst.output_names),
+        source=inst.source,
+        header=header,
+        ensure_row_contiguous=ensure_row_contiguous,
+    )
 
 
 # ---------------------------------------------------------------------------------- Metal
@@ -93,13 +187,13 @@ METAL_SA = (
 
 
 def metal_instances() -> dict[str, Instance]:
-    h = body_text()
+    f = BODY_FILES
     return {
-        "ga_partial": Instance("ds_ga_partial", ("logits",), ("part",), METAL_GA_PARTIAL, h),
-        "ga_finalize": Instance(
-            "ds_ga_finalize", ("part", "draft", "dims"), ("target", "accepted", "bonus"), METAL_GA_FINALIZE, h
+        "ga_partial": instance("ds_ga_partial", ("logits",), ("part",), METAL_GA_PARTIAL, f),
+        "ga_finalize": instance(
+            "ds_ga_finalize", ("part", "draft", "dims"), ("target", "accepted", "bonus"), METAL_GA_FINALIZE, f
         ),
-        "sa": Instance("ds_sa", ("p", "q", "draft", "u", "ub"), ("accepted", "bonus"), METAL_SA, h),
+        "sa": instance("ds_sa", ("p", "q", "draft", "u", "ub"), ("accepted", "bonus"), METAL_SA, f),
     }
 
 
@@ -179,18 +273,18 @@ CUDA_SA = (
 
 
 def cuda_instances() -> dict[str, Instance]:
-    h = body_text()
+    f = BODY_FILES
     return {
-        "ga_fused": Instance(
+        "ga_fused": instance(
             "ds_ga_fused",
             ("logits", "draft", "cnt"),
             ("target", "accepted", "bonus", "part", "cnt_next"),
             CUDA_GA_FUSED,
-            h,
+            f,
         ),
-        "ga_partial": Instance("ds_ga_partial", ("logits",), ("part",), CUDA_GA_PARTIAL, h),
-        "ga_finalize": Instance(
-            "ds_ga_finalize", ("part", "draft", "dims"), ("target", "accepted", "bonus"), CUDA_GA_FINALIZE, h
+        "ga_partial": instance("ds_ga_partial", ("logits",), ("part",), CUDA_GA_PARTIAL, f),
+        "ga_finalize": instance(
+            "ds_ga_finalize", ("part", "draft", "dims"), ("target", "accepted", "bonus"), CUDA_GA_FINALIZE, f
         ),
-        "sa": Instance("ds_sa", ("p", "q", "draft", "u", "ub"), ("accepted", "bonus"), CUDA_SA, h),
+        "sa": instance("ds_sa", ("p", "q", "draft", "u", "ub"), ("accepted", "bonus"), CUDA_SA, f),
     }

@@ -28,7 +28,7 @@ import threading
 
 import mlx.core as mx
 
-from .gpu_source import GPU_DIR, Instance, compact
+from .gpu_source import Instance, instance, make_kernel
 
 CHUNK = 128  # DS_IA_THREADS: keys per chunk = threads per threadgroup
 MAX_D = 256  # DS_IA_MAX_D
@@ -143,31 +143,20 @@ _CALL = """  const int H = q_shape[1];
 INPUTS, OUTPUTS = ("q", "k", "v", "scale"), ("out",)
 
 
-@functools.lru_cache(maxsize=None)
-def _body() -> str:
-    return compact("".join((GPU_DIR / f).read_text() + "\n" for f in ("ds_portable.h", "invariant_attention.h")))
+BODY_FILES = ("ds_portable.h", "invariant_attention.h")
 
 
 def cuda_instance() -> Instance:
-    return Instance("ds_invariant_attention", INPUTS, OUTPUTS, _CUDA_LAUNCH + _CALL, _body())
+    return instance("ds_invariant_attention", INPUTS, OUTPUTS, _CUDA_LAUNCH + _CALL, BODY_FILES)
 
 
 def metal_instance() -> Instance:
-    return Instance("ds_invariant_attention", INPUTS, OUTPUTS, _METAL_LAUNCH + _CALL, _body())
+    return instance("ds_invariant_attention", INPUTS, OUTPUTS, _METAL_LAUNCH + _CALL, BODY_FILES)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(lang: str):
-    inst = cuda_instance() if lang == "cuda" else metal_instance()
-    make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
-    return make(
-        name=inst.name,
-        input_names=list(inst.input_names),
-        output_names=list(inst.output_names),
-        source=inst.source,
-        header=inst.header,
-        ensure_row_contiguous=False,
-    )
+    return make_kernel(lang, cuda_instance() if lang == "cuda" else metal_instance(), ensure_row_contiguous=False)
 
 
 _scales: dict[float, mx.array] = {}

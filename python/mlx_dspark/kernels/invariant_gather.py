@@ -37,7 +37,8 @@ import weakref
 
 import mlx.core as mx
 
-from .gpu_source import GPU_DIR, Instance, compact
+from .gpu_source import Instance, make_kernel
+from .gpu_source import instance as gpu_instance
 from .invariant_linear import BITS, COLS, GROUPS, THREADS, VEC
 
 ROWS = 4  # DS_IL_ROWS: rows per threadgroup (grid y)
@@ -139,10 +140,7 @@ def _inputs(kind: str, G: int) -> tuple:
     return ("x", "idx") + tuple(f"{n}{g}" for g in range(G) for n in per)
 
 
-@functools.lru_cache(maxsize=None)
-def _body() -> str:
-    files = ("ds_portable.h", "invariant_linear.h", "invariant_gather.h")
-    return compact("".join((GPU_DIR / f).read_text() + "\n" for f in files))
+BODY_FILES = ("ds_portable.h", "invariant_linear.h", "invariant_gather.h")
 
 
 def instance(lang: str, kind: str, group: int = 1) -> Instance:
@@ -151,20 +149,12 @@ def instance(lang: str, kind: str, group: int = 1) -> Instance:
     ctx = _CUDA_CTX if lang == "cuda" else _METAL_CTX
     name = ("ds_invariant_gather" if kind == "dense" else "ds_invariant_qgather") + f"_g{group}"
     outs = tuple(f"o{g}" for g in range(group))
-    return Instance(name, _inputs(kind, group), outs, ctx + _SHAPES + _call_source(kind, group), _body())
+    return gpu_instance(name, _inputs(kind, group), outs, ctx + _SHAPES + _call_source(kind, group), BODY_FILES)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(lang: str, kind: str, group: int = 1):
-    inst = instance(lang, kind, group)
-    make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
-    return make(
-        name=inst.name,
-        input_names=list(inst.input_names),
-        output_names=list(inst.output_names),
-        source=inst.source,
-        header=inst.header,
-    )
+    return make_kernel(lang, instance(lang, kind, group))
 
 
 def _launch(lang: str, kind: str, x, idx, S: tuple, weights: list, template: list, Ns: tuple) -> list:

@@ -42,7 +42,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import native as _native
-from .gpu_source import GPU_DIR, Instance, compact
+from .gpu_source import Instance, make_kernel
+from .gpu_source import instance as gpu_instance
 
 THREADS = 128  # DS_IL_THREADS
 VEC = 8  # DS_IL_VEC: K must be a multiple of it
@@ -138,10 +139,8 @@ def _call_source(kind: str, G: int, v2: bool = False) -> str:
     return rows + f"  {fn}, {G}, HB>(c, x, {q}, {b}, {o}, M, q0_shape[0], {n}, K, K / s0_shape[1]);\n"
 
 
-@functools.lru_cache(maxsize=None)
-def _body(v2: bool = False) -> str:
-    files = ("ds_portable.h", "invariant_linear_v2.h" if v2 else "invariant_linear.h")
-    return compact("".join((GPU_DIR / f).read_text() + "\n" for f in files))
+def _files(v2: bool = False) -> tuple[str, ...]:
+    return ("ds_portable.h", "invariant_linear_v2.h" if v2 else "invariant_linear.h")
 
 
 def instance(lang: str, kind: str, group: int = 1, v2: bool = False) -> Instance:
@@ -150,29 +149,18 @@ def instance(lang: str, kind: str, group: int = 1, v2: bool = False) -> Instance
     ctx = _CUDA_CTX if lang == "cuda" else _METAL_CTX
     name = ("ds_invariant_linear" if kind == "dense" else "ds_invariant_qlinear") + ("2" if v2 else "") + f"_g{group}"
     src = ctx + _call_source(kind, group, v2)
-    return Instance(name, _inputs(kind, group), _names(group, "o{}"), src, _body(v2))
+    return gpu_instance(name, _inputs(kind, group), _names(group, "o{}"), src, _files(v2))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(lang: str, kind: str, group: int = 1):
-    return _make(lang, instance(lang, kind, group))
+    return make_kernel(lang, instance(lang, kind, group))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel_v2(lang: str, kind: str, group: int = 1):
     """The v2 kernel (one per kind and group; C is a template argument of each launch)."""
-    return _make(lang, instance(lang, kind, group, v2=True))
-
-
-def _make(lang: str, inst: Instance):
-    make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
-    return make(
-        name=inst.name,
-        input_names=list(inst.input_names),
-        output_names=list(inst.output_names),
-        source=inst.source,
-        header=inst.header,
-    )
+    return make_kernel(lang, instance(lang, kind, group, v2=True))
 
 
 _placeholders: dict = {}

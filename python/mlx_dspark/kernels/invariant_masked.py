@@ -29,7 +29,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import invariant as inv
-from .gpu_source import Instance
+from .gpu_source import Instance, make_kernel
+from .gpu_source import instance as gpu_instance
 
 _CALL = """  const int H = q_shape[1];
   const int W = q_shape[2];
@@ -50,21 +51,12 @@ INPUTS, OUTPUTS = ("q", "k", "v", "lens", "scale"), ("out",)
 def instance(lang: str) -> Instance:
     """q [B, H, w, D]; k / v [B, Hkv, w, L, D] (row i's keys, compacted, any strides); lens [w] int32."""
     launch = inv._CUDA_LAUNCH if lang == "cuda" else inv._METAL_LAUNCH
-    return Instance("ds_invariant_masked_attention", INPUTS, OUTPUTS, launch + _CALL, inv._body())
+    return gpu_instance("ds_invariant_masked_attention", INPUTS, OUTPUTS, launch + _CALL, inv.BODY_FILES)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(lang: str):
-    inst = instance(lang)
-    make = mx.fast.cuda_kernel if lang == "cuda" else mx.fast.metal_kernel
-    return make(
-        name=inst.name,
-        input_names=list(inst.input_names),
-        output_names=list(inst.output_names),
-        source=inst.source,
-        header=inst.header,
-        ensure_row_contiguous=False,
-    )
+    return make_kernel(lang, instance(lang), ensure_row_contiguous=False)
 
 
 class Rows:
