@@ -310,6 +310,17 @@ def test_cli_models_lists_registry(capsys):
     assert len(json.loads(capsys.readouterr().out)["pairs"]) == len(registry.PAIRS)
 
 
+def test_auto_bits_quantizes_only_large_drafters_on_a_gpu(monkeypatch):
+    from mlx_dspark.models import drafters
+
+    if mx.default_device() == mx.cpu:
+        assert drafters.auto_bits(10) == drafters.auto_bits(10**10) == 16
+    monkeypatch.setattr(drafters.mx, "default_device", lambda: mx.gpu)
+    assert drafters.auto_bits(20_000_000) == 16
+    assert drafters.auto_bits(drafters.SMALL_DRAFTER_PARAMS + 1) == 4
+    assert drafters.auto_bits() == 4
+
+
 # ----------------------------------------------------------------------------- pairs
 def test_load_pair_and_generate():
     from mlx_dspark.pairs import load_dflash_pair, load_pair, speculative_generate
@@ -319,7 +330,7 @@ def test_load_pair_and_generate():
     assert (
         d.kind == "dspark"
         and cfg["drafter"] == str(ws["dspark_qwen3"])
-        and cfg["bits"] == (16 if mx.default_device() == mx.cpu else 4)
+        and cfg["bits"] == 16  # a small drafter stays as stored, on every device
     )
     res = speculative_generate(tgt, tok, d, prompt_ids=[7, 8, 9, 7, 8, 9], max_new_tokens=30)
     base = generate(tgt, tok, None, prompt_ids=[7, 8, 9, 7, 8, 9], mode="baseline", max_new_tokens=30)

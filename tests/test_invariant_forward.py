@@ -226,3 +226,38 @@ def test_the_verdict_is_kept_on_disk_and_reused(path, monkeypatch, tmp_path):
     n = len(calls)
     md.load_target(path, dtype="float32")
     assert len(calls) > n  # a corrupt entry is measured again, never trusted
+
+
+@pytest.mark.parametrize("kernels_s,want", [(0.5, "kernels"), (0.9, "native")])
+def test_on_the_cpu_the_faster_exact_path_is_taken(path, monkeypatch, kernels_s, want):
+    """Where the native forward is invariant (CPU float32), the kernels are timed against it and
+    taken only where they pass the check too and are clearly faster; either way every mode stays
+    identical to baseline, ids and text."""
+    monkeypatch.setattr(invariance, "KERNELS_MIN_PARAMS", 0)
+    timed = []
+    monkeypatch.setattr(
+        invariance,
+        "_forward_cost",
+        lambda t: timed.append(t.invariant_kernels) or (kernels_s if t.invariant_kernels else 1.0),
+    )
+    target, tok = md.load_target(path, dtype="float32")
+    assert timed == [False, True]
+    assert target.invariance == want and target.invariant_kernels == (want == "kernels")
+    prompt = "one two three one two three one two"
+    base = md.generate(target, tok, prompt, mode="baseline", max_new_tokens=32)
+    look = md.generate(target, tok, prompt, mode="lookup", max_new_tokens=32)
+    assert look.tokens == base.tokens and look.text == base.text
+
+
+def test_a_small_model_or_a_failed_kernel_check_keeps_the_native_forward(path, monkeypatch):
+    timed = []
+    real_cost = invariance._forward_cost
+    monkeypatch.setattr(invariance, "_forward_cost", lambda t: timed.append(1) or real_cost(t))
+    target, _ = md.load_target(path, dtype="float32")  # ~0.3M parameters: below the threshold
+    assert target.invariance == "native" and timed == []
+    monkeypatch.setattr(invariance, "KERNELS_MIN_PARAMS", 0)
+    real_match = invariance.rows_match
+    monkeypatch.setattr(invariance, "rows_match", lambda t: not t.invariant_kernels and real_match(t))
+    target, _ = md.load_target(path, dtype="float32")
+    assert target.invariance == "native" and not target.invariant_kernels and timed == [1]
+    assert real_cost(target) > 0

@@ -117,6 +117,7 @@ def key_for(target, drafter=None) -> dict:
     from .._version import __version__
     from ..blas import active_blas
     from ..machine import device_name
+    from ..models.invariance import path_of
     from ..models.precision import weights_summary
 
     dtypes, quant = weights_summary(target.model)
@@ -126,6 +127,7 @@ def key_for(target, drafter=None) -> dict:
         "mlx_dspark": __version__,
         "device": device_name(),
         "blas": active_blas()["name"] if mx.default_device() == mx.cpu else None,
+        "decode_path": path_of(target),
         "target": {
             "source": str(target.source or target.name),
             "layers": len(target.layers),

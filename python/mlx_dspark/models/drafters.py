@@ -120,22 +120,30 @@ def _quantize(model: nn.Module, bits: int) -> None:
         cast_scales_f32(model)
 
 
-def auto_bits() -> int:
-    """4 on a GPU; 16 on the CPU backend, where MLX's quantized matmul does not batch over the
-    block's rows and a 4-bit drafter round measures ~1.5x slower than float32 (bench_rounds.py)."""
-    return 16 if mx.default_device() == mx.cpu else 4
+SMALL_DRAFTER_PARAMS = 150_000_000
+
+
+def auto_bits(params: int | None = None) -> int:
+    """16 (unquantized) on the CPU backend, where MLX's quantized matmul does not batch over the
+    block's rows and a 4-bit drafter round measures ~1.5x slower than float32 (bench_rounds.py),
+    and on a GPU for a drafter of at most SMALL_DRAFTER_PARAMS parameters (`params`): there 4 bits
+    save little memory traffic and cost acceptance (H200, the shipped SmolLM2 drafter: humaneval
+    4.15 -> 2.86 tokens per round, DSpark 1.25x -> 1.11x mlx_lm.generate overall:
+    bench/results/dspark-h200.md). 4 on a GPU for larger drafters."""
+    if mx.default_device() == mx.cpu or (params is not None and params <= SMALL_DRAFTER_PARAMS):
+        return 16
+    return 4
 
 
 def load_drafter(source: str, target, *, bits: int | None = None, draft_vocab="auto") -> BlockDrafter:
     """Load a drafter checkpoint for `target`: strict 1:1, refused with the reason if it does not fit.
-    `bits` 4 / 8 quantize at load, 16 keeps the weights unquantized, None picks auto_bits().
+    `bits` 4 / 8 quantize at load, 16 keeps the weights unquantized, None picks auto_bits() by
+    the device and the checkpoint's size.
     `draft_vocab`: auto / full / N, the draft vocabulary (models/draft_vocab.py)."""
     from . import draft_vocab as dv
 
     dv.parse_choice(draft_vocab)  # a bad value fails before the weights are read
-    if bits is None:
-        bits = auto_bits()
-    if bits not in (4, 8, 16):
+    if bits is not None and bits not in (4, 8, 16):
         raise UserError(f"{option('drafter-bits')} must be 4, 8 or 16, got {bits}")
     path = resolve_checkpoint(source)
     spec: DrafterSpec = build_spec(path, read_config(path), tensor_shapes(path), source=str(source))
@@ -145,6 +153,8 @@ def load_drafter(source: str, target, *, bits: int | None = None, draft_vocab="a
     check_tensors(spec, module_shapes(model))
     weights = read_weights(path)
     model.load_weights(list(weights.items()), strict=True)
+    if bits is None:
+        bits = auto_bits(sum(v.size for v in weights.values()))
     del weights
     cast_model(model, target_dtype(target))
     if zlab:

@@ -23,9 +23,10 @@ it does not assume any of this. Prefill (all prompt tokens but the last) keeps M
 every mode shares it.
 
 Which path a target gets is decided once at load by `choose()`, by measurement: the native
-forward where it is already width-invariant (CPU float32 with MLX's bundled BLAS); otherwise the
-kernels, if they pass; otherwise fixed width, if it passes; otherwise the native one with a warning
-that the drafting modes may differ from plain decoding.
+forward where it is already width-invariant (CPU float32), unless on the CPU the kernels pass too
+and are clearly faster (timed: MLX's bundled reference BLAS); otherwise the kernels, if they pass;
+otherwise fixed width, if it passes; otherwise the native one with a warning that the drafting
+modes may differ from plain decoding.
 MLX_DSPARK_INVARIANT=auto (default) | kernels | fixed | force (= fixed, no check) | off.
 MLX_DSPARK_DECODE_WIDTH=W (default 16) for the fixed-width path.
 """
@@ -119,7 +120,7 @@ def _verdict_key(target, mode: str) -> dict:
     tc = target.config.get("text_config", target.config)
     dtypes, quant = weights_summary(target.model)
     return {
-        "v": 2,
+        "v": 3,  # 3: the CPU may choose the kernels where they are faster
         "mlx": mx.__version__,
         "mlx_dspark": __version__,
         "native_ext": native.ext(warn=False) is not None,
@@ -213,7 +214,7 @@ def _apply(target, verdict: str) -> None:
 
 def _measure(target, mode: str) -> str:
     if mode == "auto" and rows_match(target):
-        return "native"
+        return "kernels" if _kernels_pay_on_cpu(target) else "native"
     if mode in ("auto", "kernels"):
         _enable_kernels(target)
         if rows_match(target):
@@ -226,6 +227,54 @@ def _measure(target, mode: str) -> str:
         _disable(target)
     _warn_none(target)
     return "none"
+
+
+# Where the native forward is invariant already (CPU float32), the kernels path is the other exact
+# choice; on MLX's bundled reference BLAS the C++ invariant linear (csrc/invariant_linear.cpp) runs a
+# decode forward about 2x faster than the BLAS (bench/results/invariance-cpu.md), with OpenBLAS it
+# may not. So it is timed here, once per verdict, and taken only where it is clearly faster.
+KERNELS_MARGIN = 0.85  # kernels' time / native's at most this
+KERNELS_MIN_PARAMS = 20_000_000  # below it a forward costs milliseconds either way: not timed
+
+
+def _kernels_pay_on_cpu(target) -> bool:
+    from mlx.utils import tree_flatten
+
+    from ..kernels import invariant_linear
+
+    if mx.default_device() != mx.cpu or invariant_linear.linear_path() != "native":
+        return False
+    if sum(v.size for _, v in tree_flatten(target.model.parameters())) < KERNELS_MIN_PARAMS:
+        return False
+    native_s = _forward_cost(target)
+    _enable_kernels(target)
+    try:
+        if rows_match(target) and _forward_cost(target) <= KERNELS_MARGIN * native_s:
+            return True
+    except Exception:  # a kernels forward that fails here is simply not taken
+        pass
+    _disable(target)
+    return False
+
+
+def _forward_cost(target, n_prefix: int = 32, widths: tuple = (1, 4), reps: int = 3) -> float:
+    """Seconds of one decode forward at each of `widths` over a short cache (best of `reps`), summed."""
+    import time
+
+    vocab = max(target.vocab_size, 2)
+    ids = mx.array([[(17 * i + 3) % vocab for i in range(n_prefix + max(widths))]], dtype=mx.int32)
+    cache = target.make_cache()
+    mx.eval(target.forward(ids[:, :n_prefix], cache, last_only=True).logits)
+    total = 0.0
+    for w in widths:
+        best = float("inf")
+        for _ in range(reps + 1):  # the first one warms up
+            t0 = time.perf_counter()
+            mx.eval(target.forward(ids[:, n_prefix : n_prefix + w], cache).logits)
+            best = min(best, time.perf_counter() - t0)
+            target.trim(cache, w)
+        total += best
+    return total
 
 
 def _warn_none(target) -> None:
