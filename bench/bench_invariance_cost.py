@@ -22,6 +22,20 @@ from pathlib import Path
 
 import _package  # the installed mlx_dspark, else python/; the precision loader
 
+_COMPILE_SETTING = __import__("os").environ.get("MLX_DSPARK_COMPILE", "auto")
+
+
+EAGER = "kernels-eager"  # the kernel path built op by op at every step (MLX_DSPARK_COMPILE=off)
+
+
+def use_path(target, side: str) -> None:
+    import os
+
+    from mlx_dspark.models import invariance
+
+    os.environ["MLX_DSPARK_COMPILE"] = "off" if side == EAGER else _COMPILE_SETTING
+    invariance.set_path(target, "kernels" if side == EAGER else side)
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -49,6 +63,9 @@ def main() -> int:
         "",
     ]
     paths = [chosen] + [p for p in invariance.PATHS if p != chosen]
+    if target.compiled_decode is not None:  # the kernel path's compiled graphs against it built op by op
+        paths.append(EAGER)
+        lines[1] += f"; compiled decode steps (models/compiled_decode.py), and `{EAGER}` without them"
 
     lines.append(f"### baseline decode, {args.tokens} tokens, best of {args.trials} (interleaved)")
     for name, prompt in [("chat", bm.CHAT_PROMPT), ("code", bm.CODE_PROMPT), ("copy", bm.COPY_PROMPT)]:
@@ -62,10 +79,10 @@ def main() -> int:
                 elif side == "mlx_lm.generate":
                     m = bm.mlx_lm_generate_decode(target, ids, args.tokens)
                 else:
-                    invariance.set_path(target, side)
+                    use_path(target, side)
                     m = bm.ours(target, tok, ids, args.tokens, "baseline")
                 res.setdefault(side, []).append(m)
-        invariance.set_path(target, chosen)
+        use_path(target, chosen)
         best = {k: max(v[1:], key=lambda m: m.decode_tps) for k, v in res.items()}
         ref, gen = best["mlx_lm"], best["mlx_lm.generate"]
         parts = [f"mlx_lm {ref.decode_tps:.1f} tok/s (mlx_lm.generate {gen.decode_tps:.1f})"]
@@ -92,7 +109,7 @@ def main() -> int:
     block = mx.array([[(7 * i + 3) % vocab for i in range(16)]], dtype=mx.int32)
     caches = {}
     for p in paths:  # one warm cache per path; every timed forward is trimmed off again
-        invariance.set_path(target, p)
+        use_path(target, p)
         caches[p] = target.make_cache()
         mx.eval(target.forward(prefix, caches[p], last_only=True).logits)
 
@@ -108,13 +125,13 @@ def main() -> int:
         samples: dict = {p: [] for p in paths}
         for r in range(args.reps + 2):  # the paths take turns, so a load change hits them alike
             for p in paths:
-                invariance.set_path(target, p)
+                use_path(target, p)
                 dt = once(p, w)
                 if r >= 2:  # two warm-ups per path and width
                     samples[p].append(dt)
         for p in paths:
             times[(p, w)] = statistics.median(samples[p]) * 1e3
-    invariance.set_path(target, chosen)
+    use_path(target, chosen)
     for w in range(1, 17):
         nat = times[("native", w)]
         row = f"   {w:2d}  " + "".join(f"{times[(p, w)]:12.3f}" for p in paths)

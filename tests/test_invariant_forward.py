@@ -123,6 +123,8 @@ def test_kernel_path_is_width_invariant(path, dtype, bits, group, device, monkey
             invariance._enable_kernels(target)
             pytest.fail(f"the load's self-check chose {target.invariance!r}: {first_moving_op(target)}")
         assert target.invariant_kernels and target.decode_width == 0
+        if device == "gpu":  # what the GPU decodes with: the compiled graphs (models/compiled_decode.py)
+            assert target.compiled_decode is not None
         check_property(target, random.Random(SEED + 2))
     finally:
         mx.set_default_device(mx.cpu)

@@ -91,21 +91,66 @@ def _parse_tools():
     return tmc.parse, tmc.METAL_STUB, tmc.CUDA_STUB + extra
 
 
+@pytest.mark.parametrize("offset", [False, True], ids=["end-aligned", "offset"])
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
-def test_metal_instance_parses(dt):
+def test_metal_instance_parses(dt, offset):
     parse, metal_stub, _ = _parse_tools()
-    src = kt.metal_kernel_text(
-        inv.metal_instance(), [(dt, 4, 10**4), (dt, 4, 10**5), (dt, 4, 10**5), ("float32", 1, 1)], [dt], [("T", dt)]
-    )
+    ins = [(dt, 4, 10**4), (dt, 4, 10**5), (dt, 4, 10**5), ("float32", 1, 1)] + [("int32", 1, 1)] * offset
+    src = kt.metal_kernel_text(inv.metal_instance(offset), ins, [dt], [("T", dt)])
     assert "q_strides" in src and "constant float* scale" in src
-    assert parse(src, metal_stub, f"ia_metal_{dt}") == []
+    assert ("constant int* off" in src) == offset
+    assert parse(src, metal_stub, f"ia_metal_{dt}_{offset}") == []
 
 
+@pytest.mark.parametrize("offset", [False, True], ids=["end-aligned", "offset"])
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
-def test_cuda_instance_parses(dt):
+def test_cuda_instance_parses(dt, offset):
     parse, _, cuda_stub = _parse_tools()
-    src = kt.cuda_kernel_text(inv.cuda_instance(), [(dt, 4), (dt, 4), (dt, 4), ("float32", 1)], [dt], [("T", dt)])
-    assert parse(src, cuda_stub, f"ia_cuda_{dt}") == []
+    ins = [(dt, 4), (dt, 4), (dt, 4), ("float32", 1)] + [("int32", 1)] * offset
+    src = kt.cuda_kernel_text(inv.cuda_instance(offset), ins, [dt], [("T", dt)])
+    assert parse(src, cuda_stub, f"ia_cuda_{dt}_{offset}") == []
+
+
+def _buffer_with_stale_tail(k, v, extra, i):
+    """k / v written into a longer KV buffer whose positions past them hold other values (what a
+    compiled decode step's buffer holds after a rollback)."""
+    B, Hkv, Lk, D = k.shape
+    s1, s2 = mx.random.split(mx.random.key(SEED * 7 + i))
+    tail_k = (mx.random.normal((B, Hkv, extra, D), key=s1) * 50).astype(k.dtype)
+    tail_v = (mx.random.normal((B, Hkv, extra, D), key=s2) * 50).astype(v.dtype)
+    return mx.concatenate([k, tail_k], axis=2), mx.concatenate([v, tail_v], axis=2)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_offset_form_reads_only_the_rows_keys(shape, dtype):
+    """The offset form over a buffer with a stale tail equals the end-aligned form over exactly
+    the valid keys, bitwise (the reference; the CUDA instance below)."""
+    i = SHAPES.index(shape)
+    q, k, v = inputs(*shape, dtype, i)
+    kb, vb = _buffer_with_stale_tail(k, v, 128 + 3 * i, i)
+    off = mx.array(k.shape[2] - q.shape[2], dtype=mx.int32)
+    want = inv.invariant_attention_reference(q, k, v, 0.125)
+    got = inv.invariant_attention_reference(q, kb, vb, 0.125, off)
+    assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["f32", "bf16", "f16"])
+def test_cuda_offset_form_equals_the_end_aligned_kernel(shape, dtype):
+    i = SHAPES.index(shape)
+    try:
+        mx.set_default_device(mx.gpu)
+        q, k, v = inputs(*shape, dtype, i)
+        kb, vb = _buffer_with_stale_tail(k, v, 200 + i, i)
+        off = mx.array(k.shape[2] - q.shape[2], dtype=mx.int32)
+        want = inv.invariant_attention_gpu(q, k, v, 0.125)
+        got = inv.invariant_attention_gpu(q, kb, vb, 0.125, offset=off)
+        assert mx.array_equal(got, want).item()
+    finally:
+        mx.set_default_device(mx.cpu)
 
 
 def test_a_broken_body_fails_both_compile_checks():

@@ -115,8 +115,11 @@ def route_causal_attention_to_invariant_op() -> None:
                 invariant.supported(q, k, v)
             ):
                 return invariant.invariant_attention(q, k, v, float(scale))
-            if invariant_masked.supported(q, k, v, mask):  # a sliding window's verify layout
-                return invariant_masked.attention(q, k, v, float(scale), mask)
+            if invariant_masked.supported(q, k, v, mask) and not invariant.offset_pending():
+                return invariant_masked.attention(q, k, v, float(scale), mask)  # a sliding window's verify layout
+        if invariant.offset_pending():  # a compiled decode step's KV buffer: only the invariant op reads it right
+            invariant.take_offset()
+            raise invariant.NotInvariant("this attention call (its mask or shapes) does not take the invariant op")
         return original(q, k, v, *args, scale=scale, mask=mask, sinks=sinks, **kwargs)
 
     _sdpa_original = original

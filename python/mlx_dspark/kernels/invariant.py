@@ -53,16 +53,21 @@ def is_active() -> bool:
 
 
 # ------------------------------------------------------------------------------- reference
-def invariant_attention_reference(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+def invariant_attention_reference(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, offset: mx.array | None = None
+) -> mx.array:
     """q [B, H, Lq, D], k / v [B, Hkv, Lk, D] -> [B, H, Lq, D] in q's dtype; causal, aligned at the
-    end (query i at position Lk - Lq + i). Keys are padded to whole chunks, so every chunk has the
-    same shape; a chunk past a row's causal length leaves that row's state bit-for-bit unchanged."""
+    end (query i at position Lk - Lq + i), or, with `offset` (an int32 scalar array), at position
+    offset + i of a buffer whose keys past that are never read (a compiled decode step's KV buffer).
+    Keys are padded to whole chunks, so every chunk has the same shape; a chunk past a row's causal
+    length leaves that row's state bit-for-bit unchanged."""
     B, H, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     rep = H // Hkv
     f32 = mx.float32
     qf = q.astype(f32).reshape(B, Hkv, rep, Lq, 1, D)
-    n = (mx.arange(Lq) + (Lk - Lq + 1)).reshape(1, 1, 1, Lq, 1)  # causal length of each row
+    first = (Lk - Lq) if offset is None else offset.astype(mx.int32)
+    n = (mx.arange(Lq) + first + 1).reshape(1, 1, 1, Lq, 1)  # causal length of each row
     nch = -(-Lk // CHUNK)
     pad = nch * CHUNK - Lk
     kf, vf = k.astype(f32), v.astype(f32)
@@ -130,7 +135,7 @@ _CALL = """  const int H = q_shape[1];
   const int Lq = q_shape[2];
   const int D = q_shape[3];
   const int Hkv = k_shape[1];
-  const int Lk = k_shape[2];
+  const int first = FIRST;  // the position of query row 0
   const int qi = (int)c.bx;
   const int b = (int)c.by / H;
   const int h = (int)c.by - b * H;
@@ -138,37 +143,54 @@ _CALL = """  const int H = q_shape[1];
   ds_ia_row<T>(c, q, b * q_strides[0] + h * q_strides[1] + qi * q_strides[2], q_strides[3],
                k, b * k_strides[0] + kvh * k_strides[1], k_strides[2], k_strides[3],
                v, b * v_strides[0] + kvh * v_strides[1], v_strides[2], v_strides[3],
-               D, Lk - Lq + qi + 1, scale[0], out, (((ds_i64)b * H + h) * Lq + qi) * D, sq, sp, red);
+               D, first + qi + 1, scale[0], out, (((ds_i64)b * H + h) * Lq + qi) * D, sq, sp, red);
 """
 INPUTS, OUTPUTS = ("q", "k", "v", "scale"), ("out",)
+# The offset form (a compiled decode step, models/compiled_decode.py): k / v are a KV buffer of any
+# capacity and query row 0 sits at position off[0]; keys past a row's position are never read.
+OFFSET_INPUTS = INPUTS + ("off",)
 
 
 BODY_FILES = ("ds_portable.h", "invariant_attention.h")
 
 
-def cuda_instance() -> Instance:
-    return instance("ds_invariant_attention", INPUTS, OUTPUTS, _CUDA_LAUNCH + _CALL, BODY_FILES)
+def _instance(launch: str, with_offset: bool) -> Instance:
+    if with_offset:
+        return instance(
+            "ds_invariant_attention_off", OFFSET_INPUTS, OUTPUTS, launch + _CALL.replace("FIRST", "off[0]"), BODY_FILES
+        )
+    return instance(
+        "ds_invariant_attention", INPUTS, OUTPUTS, launch + _CALL.replace("FIRST", "k_shape[2] - Lq"), BODY_FILES
+    )
 
 
-def metal_instance() -> Instance:
-    return instance("ds_invariant_attention", INPUTS, OUTPUTS, _METAL_LAUNCH + _CALL, BODY_FILES)
+def cuda_instance(with_offset: bool = False) -> Instance:
+    return _instance(_CUDA_LAUNCH, with_offset)
+
+
+def metal_instance(with_offset: bool = False) -> Instance:
+    return _instance(_METAL_LAUNCH, with_offset)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(lang: str):
-    return make_kernel(lang, cuda_instance() if lang == "cuda" else metal_instance(), ensure_row_contiguous=False)
+def _kernel(lang: str, with_offset: bool = False):
+    inst = cuda_instance(with_offset) if lang == "cuda" else metal_instance(with_offset)
+    return make_kernel(lang, inst, ensure_row_contiguous=False)
 
 
 _scales: dict[float, mx.array] = {}
 
 
-def invariant_attention_gpu(q: mx.array, k: mx.array, v: mx.array, scale: float, lang: str = "cuda") -> mx.array:
+def invariant_attention_gpu(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, lang: str = "cuda", offset: mx.array | None = None
+) -> mx.array:
     B, H, Lq, D = q.shape
     s = _scales.get(scale)
     if s is None:
         s = _scales[scale] = mx.array([scale], dtype=mx.float32)
-    (out,) = _kernel(lang)(
-        inputs=[q, k, v, s],
+    inputs = [q, k, v, s] if offset is None else [q, k, v, s, offset.astype(mx.int32).reshape(1)]
+    (out,) = _kernel(lang, offset is not None)(
+        inputs=inputs,
         template=[("T", q.dtype)],
         grid=(Lq * CHUNK, B * H, 1),
         threadgroup=(CHUNK, 1, 1),
@@ -206,9 +228,38 @@ def supported(q: mx.array, k: mx.array, v: mx.array) -> bool:
 
 
 def invariant_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """The invariant op; inside a compiled decode step (a KV buffer whose write position the cache
+    handed over with `expect_offset`) its offset form."""
     path = attention_path()
+    offset = take_offset()
     if path == "reference":
+        if offset is not None:
+            return invariant_attention_reference(q, k, v, scale, offset)
         if mx.default_device() == mx.cpu and os.environ.get("MLX_DSPARK_KERNELS", "").strip().lower() != "reference":
             return invariant_attention_rows(q, k, v, scale)
         return invariant_attention_reference(q, k, v, scale)
-    return invariant_attention_gpu(q, k, v, scale, lang=path)
+    return invariant_attention_gpu(q, k, v, scale, lang=path, offset=offset)
+
+
+class NotInvariant(RuntimeError):
+    """A forward that a compiled decode step traces calls something it cannot carry."""
+
+
+# A compiled decode step's cache (models/compiled_decode.py) returns its whole KV buffer, whose
+# positions past the rows are stale: it hands the rows' position here, and the next attention call
+# in this thread takes it. A cache that handed one over which no invariant attention took is an
+# error (`offset_pending`): MLX's own kernel would have read the stale positions.
+def expect_offset(offset: mx.array) -> None:
+    if getattr(_local, "offset", None) is not None:
+        raise RuntimeError("a KV buffer's position was handed over twice without an attention call between")
+    _local.offset = offset
+
+
+def take_offset() -> mx.array | None:
+    offset = getattr(_local, "offset", None)
+    _local.offset = None
+    return offset
+
+
+def offset_pending() -> bool:
+    return getattr(_local, "offset", None) is not None

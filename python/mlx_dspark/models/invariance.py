@@ -38,6 +38,8 @@ import warnings
 
 import mlx.core as mx
 
+from . import compiled_decode
+
 DEFAULT_WIDTH = 16
 
 
@@ -120,7 +122,7 @@ def _verdict_key(target, mode: str) -> dict:
     tc = target.config.get("text_config", target.config)
     dtypes, quant = weights_summary(target.model)
     return {
-        "v": 3,  # 3: the CPU may choose the kernels where they are faster
+        "v": 4,  # 3: the CPU may choose the kernels where they are faster; 4: compiled decode steps
         "mlx": mx.__version__,
         "mlx_dspark": __version__,
         "native_ext": native.ext(warn=False) is not None,
@@ -134,7 +136,8 @@ def _verdict_key(target, mode: str) -> dict:
         "mode": mode,
         "width": decode_width(),
         "env": {
-            k: os.environ.get(k, "") for k in ("MLX_DSPARK_KERNELS", "MLX_DSPARK_GDN_KERNEL", "MLX_DSPARK_IL_KERNEL")
+            k: os.environ.get(k, "")
+            for k in ("MLX_DSPARK_KERNELS", "MLX_DSPARK_GDN_KERNEL", "MLX_DSPARK_IL_KERNEL", "MLX_DSPARK_COMPILE")
         },
     }
 
@@ -312,6 +315,7 @@ def set_path(target, path: str) -> None:
 def _disable(target) -> None:
     target.decode_width = 0
     target.invariant_kernels = False
+    target.compiled_decode = None
 
 
 def _enable_kernels(target) -> None:
@@ -322,6 +326,7 @@ def _enable_kernels(target) -> None:
     route_linears_to_invariant_op()
     invariant_linear.group_siblings(target.model)  # q/k/v and gate/up: one launch each on a GPU
     target.invariant_kernels = True
+    compiled_decode.attach(target)
 
 
 def _enable_fixed(target) -> None:
@@ -332,9 +337,14 @@ def _enable_fixed(target) -> None:
 
 
 def forward_kernels(target, tokens: mx.array, cache: list, taps):
-    """target's forward at its real width with the invariant linears and attention."""
+    """target's forward at its real width with the invariant linears and attention: the compiled
+    graph of that width (models/compiled_decode.py) where the target has one and the cache is the
+    plain KV cache it takes, else built op by op."""
     from ..kernels import invariant
 
+    compiled = target.compiled_decode
+    if compiled is not None and compiled_decode.cache_fits(cache, tokens):
+        return compiled(tokens, cache, taps)
     with invariant.active():
         out = target._forward_native(tokens, cache, taps, False)
     return out.logits, out.hidden

@@ -95,6 +95,7 @@ class Target:
         # at their real width through the invariant kernels, or every one at width W = decode_width
         # (0: not) with the invariant attention; neither: the native forward.
         self.invariant_kernels = False
+        self.compiled_decode = None  # models/compiled_decode.py: set with the kernel path where it traces
         self.decode_width = 0
         self.invariance = "unchecked"
         self.dense_products: list[str] = []  # set by probe(): MLX products this target routes around

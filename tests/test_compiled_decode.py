@@ -1,0 +1,155 @@
+"""The kernel path's compiled decode forward (models/compiled_decode.py): one traced graph per
+width, KV buffer capacity and taps, whose rows are width-invariant and whose output equals the
+kernel path built op by op.
+
+On the CPU it runs where MLX_DSPARK_COMPILE=on asks for it (auto compiles on a GPU only); the
+`gpu` instances of tests/test_invariant_forward.py prove it on the device, where auto takes it."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import mlx.core as mx
+import pytest
+
+import mlx_dspark as md
+from mlx_dspark.models import compiled_decode
+
+SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
+
+
+@pytest.fixture(scope="module")
+def path(model_dir):
+    return str(model_dir("llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=33, vocab_size=384))
+
+
+def load(path, dtype="float32", compile_="on", monkeypatch=None):
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "kernels")
+    monkeypatch.setenv("MLX_DSPARK_COMPILE", compile_)
+    target, tok = md.load_target(path, dtype=dtype)
+    assert target.invariance == "kernels", target.invariance
+    return target, tok
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_of_the_compiled_forward_are_width_invariant(path, dtype, monkeypatch):
+    """Row i of a width-w compiled forward equals the width-1 compiled forward of the same token,
+    bitwise, w = 1..17, over a random prompt. (Not asserted: equality with the uncompiled path.
+    On the CPU that one reads attention through MLX's own kernel row by row, the graph through the
+    chunked reference: an exact path each, with different roundings.)"""
+    target, _ = load(path, dtype, "on", monkeypatch)
+    assert target.compiled_decode is not None
+    rng = random.Random(SEED)
+    vocab = target.vocab_size
+    prefix = mx.array([[rng.randrange(vocab) for _ in range(rng.randrange(5, 200))]])
+    tokens = mx.array([[rng.randrange(vocab) for _ in range(17)]], dtype=mx.int32)
+
+    def prefilled():
+        cache = target.make_cache()
+        mx.eval(target.forward(prefix, cache, last_only=True).logits)
+        return cache
+
+    cache = prefilled()
+    before = target.compiled_decode.traces
+    ones = [target.forward(tokens[:, i : i + 1], cache).logits for i in range(17)]
+    mx.eval(ones)
+    for w in range(1, 18):
+        rows = target.forward(tokens[:, :w], prefilled()).logits
+        assert rows.shape[1] == w
+        for i in range(w):
+            assert mx.array_equal(rows[:, i], ones[i][:, 0]).item(), f"row {i} of width {w} (seed {SEED})"
+    # widths 1..17 run as 8 traced widths (compiled_decode.BUCKETS), pad rows cut off
+    assert {compiled_decode.bucket(w) for w in range(1, 18)} == {1, 2, 3, 4, 6, 8, 12, 17}
+    assert target.compiled_decode.traces - before <= 8
+
+
+def test_modes_equal_baseline_in_ids_and_text(path, monkeypatch):
+    target, tok = load(path, "bfloat16", "on", monkeypatch)
+    prompt = "repeat: the fox the fox the fox def add(a, b) return a + b"
+    base = md.generate(target, tok, prompt, mode="baseline", max_new_tokens=48)
+    look = md.generate(target, tok, prompt, mode="lookup", max_new_tokens=48)
+    assert look.tokens == base.tokens and look.text == base.text
+    assert target.compiled_decode.traces > 0
+
+
+def test_a_step_of_a_known_shape_is_not_traced_again_and_a_grown_buffer_is(path, monkeypatch):
+    """Steps replay the graph of their width; a KV buffer that grows past its capacity is traced
+    once more, and the logits across the growth equal, step by step, those of a buffer that was
+    large enough from the start."""
+    monkeypatch.setattr(compiled_decode, "CAPACITY_STEP", 32)
+    target, _ = load(path, "float32", "on", monkeypatch)
+    compiled = target.compiled_decode
+    vocab = target.vocab_size
+    ids = [(11 * i + 3) % vocab for i in range(300)]
+    cache = target.make_cache()
+    mx.eval(target.forward(mx.array([ids[:250]]), cache, last_only=True).logits)  # mlx-lm's buffer: 256
+    assert cache[0].keys.shape[2] == 256
+    got, before = [], compiled.traces
+    for j in range(250, 262):  # 256 fills at j = 255: the buffer grows to 288 there
+        got.append(target.forward(mx.array([[ids[j]]]), cache).logits)
+        if j == 254:
+            assert compiled.traces == before  # width 1 over a 256 buffer: traced by the load's self-check
+    assert compiled.traces - before == 1 and cache[0].keys.shape[2] == 288 and cache[0].offset == 262
+
+    monkeypatch.setattr(compiled_decode, "CAPACITY_STEP", 1024)
+    cache = target.make_cache()
+    mx.eval(target.forward(mx.array([ids[:250]]), cache, last_only=True).logits)
+    mx.eval(target.forward(mx.array([ids[250:257]]), cache).logits)
+    target.trim(cache, 7)  # the buffer: 1024 from here on
+    assert cache[0].keys.shape[2] == 1024
+    for j, g in zip(range(250, 262), got):
+        assert mx.array_equal(target.forward(mx.array([[ids[j]]]), cache).logits, g).item(), j
+
+
+def test_a_buffer_of_any_length_is_padded_to_whole_blocks(path, monkeypatch):
+    """mlx-lm's prefill leaves a buffer of 256s, a restored prefix one of its own length: the first
+    compiled step pads either to whole blocks, so prompts of different lengths share traces."""
+    target, _ = load(path, "float32", "on", monkeypatch)
+    compiled = target.compiled_decode
+    outs = []
+    for n in (30, 300, 700):
+        cache = target.make_cache()
+        mx.eval(target.forward(mx.array([[(7 * i) % 300 for i in range(n)]]), cache, last_only=True).logits)
+        for c in cache:  # as the prefix cache restores a slot: exactly n positions
+            c.keys, c.values = c.keys[..., :n, :], c.values[..., :n, :]
+        before = compiled.traces
+        outs.append(target.forward(mx.array([[5]]), cache).logits)
+        assert cache[0].keys.shape[2] == compiled_decode.CAPACITY_STEP and cache[0].offset == n + 1
+        assert compiled.traces == before  # width 1 over one block: traced by the load's self-check
+    mx.eval(outs)
+
+
+def test_a_rollback_overwrites_the_stale_positions(path, monkeypatch):
+    """A verify block, trimmed back, then other tokens: the buffer's stale positions are never
+    read (the same logits as a cache that never saw the rejected tokens)."""
+    target, _ = load(path, "float32", "on", monkeypatch)
+    prefix = mx.array([[5, 6, 7, 8, 9, 10, 11]])
+    a, b = target.make_cache(), target.make_cache()
+    for c in (a, b):
+        mx.eval(target.forward(prefix, c, last_only=True).logits)
+    mx.eval(target.forward(mx.array([[1, 2, 3, 4]]), a).logits)
+    target.trim(a, 3)
+    mx.eval(target.forward(mx.array([[1]]), b).logits)
+    after = mx.array([[40, 41, 42]])
+    assert mx.array_equal(target.forward(after, a).logits, target.forward(after, b).logits).item()
+
+
+def test_a_model_whose_trace_fails_keeps_the_uncompiled_kernel_path(path, monkeypatch):
+    """An attention call that cannot take the invariant op inside the trace (here: a stand-in that
+    says no shape is supported) makes the probe refuse: the target decodes op by op, exactly."""
+    from mlx_dspark.kernels import invariant
+
+    monkeypatch.setattr(invariant, "supported", lambda q, k, v: False)
+    target, tok = load(path, "float32", "on", monkeypatch)
+    assert target.compiled_decode is None and target.invariant_kernels
+    base = md.generate(target, tok, "the fox the fox the fox", mode="baseline", max_new_tokens=16)
+    look = md.generate(target, tok, "the fox the fox the fox", mode="lookup", max_new_tokens=16)
+    assert look.tokens == base.tokens and look.text == base.text
+
+
+def test_auto_compiles_only_where_the_linears_run_gpu_kernels(path, monkeypatch):
+    target, _ = load(path, "float32", "auto", monkeypatch)
+    assert target.compiled_decode is None  # the CPU: the graph builds in a fraction of the compute
+    monkeypatch.setenv("MLX_DSPARK_COMPILE", "nonsense")
+    assert compiled_decode.setting() == "auto"
