@@ -153,3 +153,25 @@ def test_auto_compiles_only_where_the_linears_run_gpu_kernels(path, monkeypatch)
     assert target.compiled_decode is None  # the CPU: the graph builds in a fraction of the compute
     monkeypatch.setenv("MLX_DSPARK_COMPILE", "nonsense")
     assert compiled_decode.setting() == "auto"
+
+
+@pytest.mark.parametrize(
+    "tkey,dkey",
+    [("target_perm", "perm_dspark_noisy"), ("target_qwen3", "dspark_qwen3"), ("target_qwen3", "dflash_zlab")],
+)
+def test_drafters_through_the_compiled_graphs_equal_baseline(tkey, dkey, monkeypatch):
+    """DSpark and DFlash read the target's tapped hidden states out of the compiled graphs, and
+    their rounds accept partial blocks (the noisy drafter): ids and text equal baseline."""
+    from drafter_fixtures import workspace
+
+    from mlx_dspark.models.drafters import load_drafter
+
+    ws = workspace()
+    target, tok = load(str(ws[tkey]), "float32", "on", monkeypatch)
+    assert target.compiled_decode is not None
+    drafter = load_drafter(str(ws[dkey]), target, bits=16)
+    prompt = [5, 9, 23, 41, 7, 12]
+    base = md.generate(target, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=40)
+    spec = md.generate(target, tok, None, prompt_ids=prompt, mode="auto", drafter=drafter, max_new_tokens=40)
+    assert spec.tokens == base.tokens and spec.text == base.text
+    assert spec.rounds > 0 and target.compiled_decode.traces > 0

@@ -18,7 +18,9 @@ again only when its buffer grows, and prompts of different lengths share their t
 Exactness: every decode forward of every width runs this one graph, so the load self-check
 (invariance.rows_match: plain steps, one verify block, a split block) proves the compiled path
 itself. Whether a target can be traced at all is decided at load (`probe`); a target that cannot
-keeps the uncompiled kernel path for good, never a mix of the two.
+keeps the op-by-op kernel path for good. A forward over a cache the graphs do not take (a first
+step on an empty cache, the batch engine's rows) runs op by op, the same in every mode; the batch
+engine measures its rows against solo forwards before it batches (decode/batch.py `check`).
 
 MLX_DSPARK_COMPILE=auto (default: on where the linear layers run the GPU kernels) | on | off.
 """
@@ -33,9 +35,9 @@ CAPACITY_STEP = 1024  # KV positions a buffer grows by (each growth re-traces th
 # The widths a step is traced at: a w-token forward runs at the first of these >= w (past the last,
 # a multiple of 16), its last token repeated in the pad rows. Rows are width-invariant, so the
 # first w rows are those of a w-wide forward; the pad rows' keys land past the cache's offset,
-# where nothing reads them and the next step overwrites them. Fewer traces (each costs ~0.1-0.2 s
-# of host time once per buffer block) for a few rows more in a round (on a GPU, where compiled
-# steps run, a verify forward costs about the same from w = 2 to 16: bench/results).
+# where nothing reads them and the next step overwrites them. Fewer traces (each ~0.2 s of host
+# time once per buffer block on our 2-core CPU) for a few rows more in a round (on the H200 a
+# compiled verify forward costs about the same from w = 2 to 16: bench/results/invariance-h200.md).
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
 
 
