@@ -15,7 +15,8 @@ overhead and to check that every mode's tokens equal baseline's. A timer's time 
 
   1 decide        Generation.plan_begin, proposer.wants_round / _prepare, the lookup index
                   (NgramIndex.sync + match, also shown alone), LookupProposer.propose: host only
-  2 draft build   drafter.block_hidden + proposer._sample (backbone, lm_head, Markov chain): lazy
+  2 draft build   drafter.block_hidden + proposer._sample (backbone, lm_head, Markov chain), or
+                  the compiled greedy pass (proposer._compiled_sample: models/compiled_draft.py): lazy
   3 draft eval    the rest of DrafterProposer.propose (its mx.eval of the block) + _drafted (the
                   .tolist() of the drafts, the truncation), context ingest chunks
   4 verify build  plan_draft (the block as an mx.array) + target.forward (lazy)
@@ -56,6 +57,7 @@ PHASE_OF = {
     "lookup propose": 0,
     "block_hidden": 1,
     "sample": 1,
+    "compiled pass": 1,
     "propose eval": 2,
     "drafted": 2,
     "ingest": 2,
@@ -265,8 +267,15 @@ def instrument(prof: Profiler, g, target) -> None:
             if prof.count_ops and len(prof.drafter_ops) < 4:  # (the whole pass, its backbone)
                 prof.drafter_ops.append((graph_ops(lazy[3]), graph_ops([a[1]])))
 
+        def compiled_pass():
+            prof.note("drafter passes")
+            prof.note("compiled passes")
+
         prof.wrap(p, "_sample", "sample", after=sampled)
         prof.wrap(p.drafter, "block_hidden", "block_hidden")
+        prof.wrap(  # the drafter's compiled greedy pass (models/compiled_draft.py), where it runs
+            p, "_compiled_sample", "compiled pass", after=lambda out, *a: out is not None and compiled_pass()
+        )
     else:
         prof.wrap(p, "propose", "lookup propose")
         prof.wrap(p, "observe", "observe")
@@ -376,7 +385,11 @@ def mode_report(mode: str, data: dict, base_tps: float, ref_ms: float | None) ->
     passes = sum(s.get("drafter passes", 0) for s in steps)
     if passes:
         chunks = sum(s.get("ingest chunks", 0) for s in steps)
-        lines.append(f"- drafter passes: {passes} ({passes / len(steps):.2f} per step), context ingest chunks {chunks}")
+        compiled = sum(s.get("compiled passes", 0) for s in steps)
+        lines.append(
+            f"- drafter passes: {passes} ({passes / len(steps):.2f} per step; {compiled} compiled), "
+            f"context ingest chunks {chunks}"
+        )
     if data["drafter_ops"]:
         whole, backbone = data["drafter_ops"][-1]
         head = whole - backbone

@@ -175,3 +175,24 @@ def test_drafters_through_the_compiled_graphs_equal_baseline(tkey, dkey, monkeyp
     spec = md.generate(target, tok, None, prompt_ids=prompt, mode="auto", drafter=drafter, max_new_tokens=40)
     assert spec.tokens == base.tokens and spec.text == base.text
     assert spec.rounds > 0 and target.compiled_decode.traces > 0
+
+
+def test_graphs_traced_at_load_run_in_another_thread(path, monkeypatch):
+    """The server's engine decodes in its own thread (MLX streams are per thread) with the graphs
+    the load's self-check traced in the main thread, and traces new ones there: same ids and text."""
+    import threading
+
+    target, tok = load(path, "float32", "on", monkeypatch)
+    prompt = "repeat: the fox the fox the fox def add(a, b) return a + b"
+    base = md.generate(target, tok, prompt, mode="baseline", max_new_tokens=40)
+    got = {}
+
+    def engine():
+        got["look"] = md.generate(target, tok, prompt, mode="lookup", max_new_tokens=40)
+        got["base"] = md.generate(target, tok, prompt, mode="baseline", max_new_tokens=40)
+
+    th = threading.Thread(target=engine)
+    th.start()
+    th.join()
+    for r in got.values():
+        assert r.tokens == base.tokens and r.text == base.text

@@ -158,9 +158,24 @@ class DrafterProposer(Proposer):
         got = self._prepare(history, max_draft, sampling)
         if isinstance(got, Draft):
             return got
-        lazy = self._sample(got, self.drafter.block_hidden(got.anchor, got.rows, self.state))
+        lazy = self._compiled_sample(got)
+        if lazy is None:
+            lazy = self._sample(got, self.drafter.block_hidden(got.anchor, got.rows, self.state))
         mx.eval(lazy[3])
         return self._drafted(got, *lazy)
+
+    def _compiled_sample(self, got: "_DrafterPass"):
+        """_sample's result from the drafter's compiled greedy pass (models/compiled_draft.py),
+        or None where it has none (sampled drafts, the CPU by default, a state without a buffer)."""
+        greedy_block = getattr(self.drafter, "greedy_block", None)
+        if greedy_block is None or not _lazy_argmax(got.sampling):
+            return None
+        out = greedy_block(got.anchor, got.rows, self.state, self.threshold)
+        if out is None:
+            return None
+        k = min(got.max_draft, self.drafter.block_drafts)
+        toks, conf = out[0][:k], (None if out[1] is None else out[1][:k])
+        return None, [None] * k, conf, [toks] + ([conf] if conf is not None else [])
 
     @staticmethod
     def propose_rows(items: Sequence[tuple["DrafterProposer", Sequence[int], int, object]]) -> list[Draft]:

@@ -39,6 +39,7 @@ class BlockDrafter:
     markov = None
     conf_head = None
     vocab_ids: mx.array | None = None  # the draft vocabulary (sorted token ids), None: the full one
+    _compiled_draft = None  # models/compiled_draft.py, made at the first compiled pass
 
     def __init__(self, model: Backbone, spec: DrafterSpec, *, bits: int = 16):
         self.model = model
@@ -75,6 +76,7 @@ class BlockDrafter:
 
         self.vocab_ids = mx.array(sorted({int(t) for t in ids}), dtype=mx.int32)
         self._head = row_subset(self._head, self.vocab_ids)
+        self._compiled_draft = None  # its graphs hold the old head
 
     def choose_in_vocab(self, z: mx.array, choose: Chooser, drafted: list):
         """choose() on a logits row over the draft vocabulary. A plain argmax (choose.argmax) is
@@ -99,6 +101,15 @@ class BlockDrafter:
         ids = mx.array([[int(a)] + [self.mask_token_id] * (self.block_size - 1) for a in anchors], dtype=mx.int32)
         emb = self.embed(ids.reshape(-1)).reshape(len(anchors), self.block_size, -1)
         return self.model.run_block_rows(emb, rows, states)[:, self.spec.logits_start :]
+
+    def greedy_block(self, anchor: int, rows: mx.array | None, state: list[ContextKV], threshold: float = 0.0):
+        """(tokens [block_drafts], confidences or None), lazy: one compiled greedy pass after
+        ingesting `rows` (models/compiled_draft.py), or None where passes are not compiled here
+        (the caller runs block_hidden and sample)."""
+        from . import compiled_draft
+
+        compiled = compiled_draft.for_drafter(self)
+        return None if compiled is None else compiled(anchor, rows, state, threshold)
 
     def sample(self, hidden: mx.array, anchor: int, choose: Chooser, threshold: float = 0.0):
         """Draft tokens from slot states hidden [k, H]: (tokens [k] lazy, q rows or None, confidences or None).

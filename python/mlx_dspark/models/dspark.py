@@ -86,6 +86,7 @@ class DSparkDrafter(BlockDrafter):
             self._embed = embed
         if head is not None:
             self._head = head
+        self._compiled_draft = None  # its graphs hold the old matrices
 
     def embed(self, ids: mx.array) -> mx.array:
         e = self._embed(ids)
@@ -105,6 +106,7 @@ class DSparkDrafter(BlockDrafter):
             self._embed = self.model.embed_tokens
         if "lm_head" in self.model:
             self._head = self.model.lm_head
+        self._compiled_draft = None
 
     def restrict_vocab(self, ids) -> None:
         super().restrict_vocab(ids)
@@ -133,7 +135,7 @@ class DSparkDrafter(BlockDrafter):
                 conf = self.confidence_logits(hidden, None)  # no Markov head: hidden features only
             return toks, qs, conf
         U = self.logits(hidden)
-        prev = mx.array(int(anchor), dtype=mx.int32)
+        prev = anchor if isinstance(anchor, mx.array) else mx.array(int(anchor), dtype=mx.int32)
         toks, qs, prevs = [], [], []
         for j in range(U.shape[0]):
             z = U[j] + self.markov_bias(prev).astype(U.dtype)

@@ -1,0 +1,109 @@
+"""A block drafter's greedy pass (backbone, lm_head, Markov chain, confidences) as one compiled
+graph per context buffer block: the drafter's side of what models/compiled_decode.py does for the
+target's decode forward.
+
+Why: on a GPU the drafter pass of a round is host-bound like the target's step: ~930 graph ops
+(5 backbone layers over the block, then the chain of block_drafts lm_head rows) built in Python
+every round (bench/results/round-profile-cpu.md). A trace is replayed from C++ instead.
+
+What makes one trace serve every round: the new context rows are ingested first, op by op (their
+count varies), so the compiled block sees no context rows, only the cache. Each layer's cache goes
+in as its whole buffer (whole CAPACITY_STEP blocks) with the context length as an int32 array;
+the block's keys and values are appended after the buffer, and attention masks the buffer's
+positions at and past the context length (`_BlockKV`). The anchor token is an array too. The
+chain runs over the whole block (each slot's token depends only on the slots before it), and the
+caller keeps the first k.
+
+Drafts need no exactness (the target verifies every one): the graph rounds as it does, and it is
+deterministic. Greedy drafting only (a plain argmax per slot); sampled drafts take the op-by-op path.
+Where it runs: where the target's decode forward is compiled (compiled_decode.wanted()).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .compiled_decode import CAPACITY_STEP, wanted
+
+
+class _BlockKV:
+    """One layer's ContextKV inside the trace: the buffer, then the block's rows appended."""
+
+    def __init__(self, offset: mx.array, keys: mx.array, values: mx.array, mask: mx.array):
+        self.offset = offset  # int32 scalar: the context length, the block's first position
+        self.keys, self.values, self.mask = keys, values, mask
+
+    def write(self, k: mx.array, v: mx.array, keep: int):
+        if keep:
+            raise ValueError("the compiled block takes no context rows")
+        return mx.concatenate([self.keys, k], axis=2), mx.concatenate([self.values, v], axis=2)
+
+
+def _greedy(z: mx.array, drafted: list):
+    return mx.argmax(z, axis=-1).astype(mx.int32), None
+
+
+_greedy.argmax = True
+
+
+class CompiledDraft:
+    """The compiled greedy passes of one block drafter (drafter.compiled_draft())."""
+
+    def __init__(self, drafter):
+        self._drafter = drafter
+        self._fns: dict = {}  # threshold -> mx.compile'd pass
+        self.traces = 0
+
+    def _pass(self, threshold: float):
+        fn = self._fns.get(threshold)
+        if fn is None:
+            d = self._drafter
+            rest = mx.array([d.mask_token_id] * (d.block_size - 1), dtype=mx.int32)
+
+            def run(anchor, offset, keys, values):
+                self.traces += 1
+                cap, B = keys[0].shape[2], d.block_size
+                pos = mx.arange(cap + B)
+                mask = ((pos < offset) | (pos >= cap))[None, None, None, :]
+                caches = [_BlockKV(offset, k, v, mask) for k, v in zip(keys, values)]
+                ids = mx.concatenate([anchor.reshape(1), rest])
+                h = d.model.run_block(d.embed(ids)[None], None, caches)[0][d.spec.logits_start :]
+                toks, _, conf = d.sample(h, anchor, _greedy, threshold)
+                return [mx.stack(toks)] + ([conf] if conf is not None else [])
+
+            fn = self._fns[threshold] = mx.compile(run)
+        return fn
+
+    def __call__(self, anchor: int, rows: mx.array | None, state: list, threshold: float):
+        """(tokens [block_drafts], confidences [block_drafts] or None), lazy, after ingesting
+        `rows` into `state`; None where the state has no buffer yet (the op-by-op pass runs)."""
+        if rows is not None and rows.shape[0]:
+            self._drafter.ingest(rows, state)
+        elif any(c.keys is None for c in state):
+            return None  # nothing ingested yet: the op-by-op pass, rows untouched
+        for c in state:
+            cap = c.keys.shape[2]
+            if cap % CAPACITY_STEP:
+                grow = -(-cap // CAPACITY_STEP) * CAPACITY_STEP - cap
+                B, H, _, D = c.keys.shape
+                c.keys = mx.concatenate([c.keys, mx.zeros((B, H, grow, D), c.keys.dtype)], axis=2)
+                c.values = mx.concatenate([c.values, mx.zeros((B, H, grow, c.values.shape[3]), c.values.dtype)], axis=2)
+        outs = self._pass(float(threshold))(
+            mx.array(int(anchor), dtype=mx.int32),
+            mx.array(state[0].offset, dtype=mx.int32),
+            [c.keys for c in state],
+            [c.values for c in state],
+        )
+        return outs[0], (outs[1] if len(outs) > 1 else None)
+
+
+def for_drafter(drafter) -> CompiledDraft | None:
+    """The drafter's CompiledDraft where drafter passes compile here (made once per drafter and
+    dropped when its head or vocabulary changes: BlockDrafter.restrict_vocab, DSpark's refresh
+    and bind), else None."""
+    if not wanted():
+        return None
+    got = getattr(drafter, "_compiled_draft", None)
+    if got is None:
+        got = drafter._compiled_draft = CompiledDraft(drafter)
+    return got

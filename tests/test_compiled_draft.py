@@ -1,0 +1,83 @@
+"""A block drafter's compiled greedy pass (models/compiled_draft.py): what it drafts equals the
+op-by-op pass (float32, CPU), the generations that use it equal baseline in ids and text, one
+trace serves every round of a buffer block, and a changed head drops the traces.
+
+MLX_DSPARK_COMPILE=on makes the CPU compile (auto compiles on a GPU only)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from drafter_fixtures import workspace
+
+import mlx_dspark as md
+from mlx_dspark.models import compiled_draft
+from mlx_dspark.models.drafters import load_drafter
+
+PROMPT = [5, 9, 23, 41, 7, 12]
+
+
+def pair(tkey, dkey, monkeypatch, compile_="on"):
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "kernels")
+    monkeypatch.setenv("MLX_DSPARK_COMPILE", compile_)
+    ws = workspace()
+    target, tok = md.load_target(str(ws[tkey]), dtype="float32")
+    return target, tok, load_drafter(str(ws[dkey]), target, bits=16)
+
+
+@pytest.mark.parametrize("dkey", ["dspark_qwen3", "dflash_zlab", "dflash_deepspec"])
+@pytest.mark.parametrize("threshold", [0.0, 0.5])
+def test_the_compiled_pass_drafts_what_the_op_by_op_pass_drafts(dkey, threshold, monkeypatch):
+    from mlx_dspark.models.compiled_draft import _greedy
+
+    _, _, d = pair("target_qwen3", dkey, monkeypatch)
+    ctx = mx.random.normal((37, d.spec.backbone.context_dim), key=mx.random.key(3))
+    eager_state, state = d.new_state(), d.new_state()
+    d.ingest(ctx[:30], eager_state)
+    d.ingest(ctx[:30], state)
+    toks, conf = d.greedy_block(77, ctx[30:], state, threshold)  # ingests the 7 new rows first
+    h = d.block_hidden(77, ctx[30:], eager_state)
+    want, _, want_conf = d.sample(h, 77, _greedy, threshold)
+    assert toks.tolist() == mx.stack(want).tolist()
+    assert (conf is None) == (want_conf is None)
+    if conf is not None:
+        assert mx.allclose(conf, want_conf, atol=1e-4).item()
+    assert state[0].offset == eager_state[0].offset == 37
+    assert state[0].keys.shape[2] % compiled_draft.CAPACITY_STEP == 0
+
+
+@pytest.mark.parametrize(
+    "tkey,dkey",
+    [("target_perm", "perm_dspark"), ("target_perm", "perm_dspark_noisy"), ("target_qwen3", "dflash_zlab")],
+)
+def test_generations_through_compiled_passes_equal_baseline(tkey, dkey, monkeypatch):
+    target, tok, d = pair(tkey, dkey, monkeypatch)
+    base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=60)
+    spec = md.generate(target, tok, None, prompt_ids=PROMPT, mode="auto", drafter=d, max_new_tokens=60)
+    assert spec.tokens == base.tokens and spec.text == base.text
+    assert spec.rounds > 1 and d._compiled_draft.traces == 1  # one trace for every round of the block
+    if dkey == "perm_dspark":  # the agreeing drafter: as many tokens a round as the op-by-op pass
+        monkeypatch.setenv("MLX_DSPARK_COMPILE", "off")
+        eager = md.generate(target, tok, None, prompt_ids=PROMPT, mode="auto", drafter=d, max_new_tokens=60)
+        assert eager.accept_lengths == spec.accept_lengths and d._compiled_draft.traces == 1
+
+
+def test_sampled_drafts_and_auto_on_the_cpu_take_the_op_by_op_pass(monkeypatch):
+    target, tok, d = pair("target_perm", "perm_dspark_noisy", monkeypatch, compile_="auto")
+    assert d.greedy_block(5, None, d.new_state()) is None  # the CPU: not compiled
+    monkeypatch.setenv("MLX_DSPARK_COMPILE", "on")
+    sampling = md.SamplingParams(temperature=0.8, seed=1)
+    md.generate(target, tok, None, prompt_ids=PROMPT, mode="auto", drafter=d, max_new_tokens=24, sampling=sampling)
+    assert d._compiled_draft is None or d._compiled_draft.traces == 0
+
+
+def test_a_new_head_drops_the_traces(monkeypatch):
+    _, _, d = pair("target_qwen3", "dspark_qwen3", monkeypatch)
+    state = d.new_state()
+    d.ingest(mx.random.normal((9, d.spec.backbone.context_dim), key=mx.random.key(1)), state)
+    mx.eval(d.greedy_block(3, None, state)[0])
+    assert d._compiled_draft.traces == 1
+    d.restrict_vocab(range(0, 300))
+    assert d._compiled_draft is None
+    toks, _ = d.greedy_block(3, None, state)
+    assert all(0 <= t < 300 for t in toks.tolist()) and d._compiled_draft.traces == 1
