@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark as md
-from mlx_dspark.models import compiled_decode
+from mlx_dspark.models import compiled_decode, invariance
 
 SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
 
@@ -196,3 +196,22 @@ def test_graphs_traced_at_load_run_in_another_thread(path, monkeypatch):
     th.join()
     for r in got.values():
         assert r.tokens == base.tokens and r.text == base.text
+
+
+def test_the_calibration_is_keyed_by_the_compiled_path_and_times_replays(path, monkeypatch):
+    """Cost curves measured on compiled steps are not reused for op-by-op ones (and back), and a
+    width's first (tracing) step is not what the curve records."""
+    from mlx_dspark.decode import costs
+
+    target, _ = load(path, "float32", "on", monkeypatch)
+    key = costs.key_for(target)
+    assert key["compiled"] is True
+    seen = []
+    real = target.forward
+    monkeypatch.setattr(target, "forward", lambda t, c, **k: seen.append(t.shape[1]) or real(t, c, **k))
+    c = costs.measure(target, budget_s=0.01)  # no budget for repeated sweeps: one timed step a width
+    wide = [w for w in c.widths if w > 1]
+    assert wide and all(seen.count(w) == 2 for w in wide)  # an untimed (tracing) step, then the timed one
+    monkeypatch.setenv("MLX_DSPARK_COMPILE", "off")
+    invariance.set_path(target, "kernels")
+    assert costs.key_for(target)["compiled"] is False and costs.key_for(target) != key

@@ -128,6 +128,7 @@ def key_for(target, drafter=None) -> dict:
         "device": device_name(),
         "blas": active_blas()["name"] if mx.default_device() == mx.cpu else None,
         "decode_path": path_of(target),
+        "compiled": getattr(target, "compiled_decode", None) is not None,  # models/compiled_decode.py
         "target": {
             "source": str(target.source or target.name),
             "layers": len(target.layers),
@@ -223,6 +224,8 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
     for w in WIDTHS:
         if len(best) >= 2 and spent() > budget_s * 0.5:  # two widths at least: a slope
             break
+        if getattr(target, "compiled_decode", None) is not None:
+            verify(w)  # a width's first step traces its graph (models/compiled_decode.py): untimed
         best[w] = verify(w)
         t1 = best[1]
         if w in (4, 8, 16, 32) and best[w] >= LINEAR * w * t1:
