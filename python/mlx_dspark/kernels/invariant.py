@@ -251,7 +251,7 @@ class NotInvariant(RuntimeError):
 # error (`offset_pending`): MLX's own kernel would have read the stale positions.
 def expect_offset(offset: mx.array) -> None:
     if getattr(_local, "offset", None) is not None:
-        raise RuntimeError("a KV buffer's position was handed over twice without an attention call between")
+        raise NotInvariant("a KV buffer's position was handed over twice without an attention call between")
     _local.offset = offset
 
 

@@ -12,7 +12,8 @@ a width-1 step goes through different reduction orders, and a near-tie in the lo
     that never looks at the number of rows; MLX's own single-row kernels batched over the rows
     are not invariant on CUDA: measured) and attention over the cache by kernels/invariant.py
     (each query row reduces over its own causal keys in fixed chunks). A plain step reads each
-    weight once, as a gemv does.
+    weight once, as a gemv does. On a GPU each of these forwards runs as a compiled graph
+    (models/compiled_decode.py): the load's self-check below proves that graph.
   * fixed width (the fallback, e.g. for a layer kind the kernels do not take): every decode forward
     runs at ONE width W, padded with copies of its last token (the pad positions are written to
     the cache and trimmed off at once), so every op always sees M = W; attention still runs the
