@@ -251,6 +251,7 @@ def run_family(name: str, args, root: Path, out: list[str]) -> str:
     )
     say(
         f"decode path {invariance.path_of(target)}"
+        + (" (compiled steps)" if target.compiled_decode is not None else "")
         + (f", experts {experts}" if moe else "")
         + f"; load + self-check {load_s:.1f} s"
         + (f"; refusals: {target.rollback_refusal or ''} {target.tap_refusal or ''}" if target.tap_refusal else "")
