@@ -1,6 +1,6 @@
 """The kernel path's compiled decode forward (models/compiled_decode.py): one traced graph per
-width, KV buffer capacity and taps, whose rows are width-invariant and whose output equals the
-kernel path built op by op.
+width bucket, KV buffer block and taps, whose rows are width-invariant and whose generations, in
+every mode, equal baseline in ids and text.
 
 On the CPU it runs where MLX_DSPARK_COMPILE=on asks for it (auto compiles on a GPU only); the
 `gpu` instances of tests/test_invariant_forward.py prove it on the device, where auto takes it."""
@@ -24,7 +24,7 @@ def path(model_dir):
     return str(model_dir("llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, seed=33, vocab_size=384))
 
 
-def load(path, dtype="float32", compile_="on", monkeypatch=None):
+def load(path, dtype, compile_, monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_INVARIANT", "kernels")
     monkeypatch.setenv("MLX_DSPARK_COMPILE", compile_)
     target, tok = md.load_target(path, dtype=dtype)
@@ -137,9 +137,9 @@ def test_a_rollback_overwrites_the_stale_positions(path, monkeypatch):
 
 def test_a_model_whose_trace_fails_keeps_the_uncompiled_kernel_path(path, monkeypatch):
     """An attention call that cannot take the invariant op inside the trace (here: a stand-in that
-    says no shape is supported) makes the probe refuse: the target decodes op by op, exactly. On
-    the CPU, where MLX's own attention is row-invariant, so the kernel path still passes its check
-    (on a GPU the stand-in leaves no invariant path at all: the load says so instead)."""
+    says no shape is supported) makes the probe refuse: the target decodes op by op, exactly. It
+    runs on the CPU, where MLX's own attention is row-invariant and the op-by-op kernel path still
+    passes its check (on a GPU the stand-in leaves no invariant path at all, and the load says so)."""
     from mlx_dspark.kernels import invariant
 
     monkeypatch.setattr(invariant, "supported", lambda q, k, v: False)
