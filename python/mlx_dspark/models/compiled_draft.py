@@ -47,7 +47,7 @@ _greedy.argmax = True
 
 
 class CompiledDraft:
-    """The compiled greedy passes of one block drafter (drafter.compiled_draft())."""
+    """The compiled greedy passes of one block drafter (`for_drafter`; BlockDrafter.greedy_block)."""
 
     def __init__(self, drafter):
         self._drafter = drafter
