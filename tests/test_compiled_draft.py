@@ -81,3 +81,23 @@ def test_a_new_head_drops_the_traces(monkeypatch):
     assert d._compiled_draft is None
     toks, _ = d.greedy_block(3, None, state)
     assert all(0 <= t < 300 for t in toks.tolist()) and d._compiled_draft.traces == 1
+
+
+def test_a_pass_that_cannot_run_here_falls_back_to_the_op_by_op_pass(monkeypatch):
+    """A backend on which the compiled pass fails (a stand-in raises in its trace): that round's
+    drafts come from the op-by-op pass over the rows already ingested, a warning says so, later
+    rounds draft op by op, and the generation equals baseline with the drafter's context in step."""
+    target, tok, d = pair("target_perm", "perm_dspark", monkeypatch)
+    base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=40)
+
+    def broken(self, k, v, keep):
+        raise RuntimeError("no such kernel here")
+
+    monkeypatch.setattr(compiled_draft._BlockKV, "write", broken)
+    with pytest.warns(UserWarning, match="compiled drafter pass failed here"):
+        spec = md.generate(target, tok, None, prompt_ids=PROMPT, mode="auto", drafter=d, max_new_tokens=40)
+    assert spec.tokens == base.tokens and spec.text == base.text
+    assert d._compiled_draft.failed and compiled_draft.for_drafter(d) is None
+    monkeypatch.setenv("MLX_DSPARK_COMPILE", "off")
+    eager = md.generate(target, tok, None, prompt_ids=PROMPT, mode="auto", drafter=d, max_new_tokens=40)
+    assert spec.accept_lengths == eager.accept_lengths  # the same drafts as the op-by-op pass

@@ -15,11 +15,15 @@ chain runs over the whole block (each slot's token depends only on the slots bef
 caller keeps the first k.
 
 Drafts need no exactness (the target verifies every one): the graph rounds as it does, and it is
-deterministic. Greedy drafting only (a plain argmax per slot); sampled drafts take the op-by-op path.
-Where it runs: where the target's decode forward is compiled (compiled_decode.wanted()).
+deterministic. A pass that fails to trace or run on this backend falls back, with a warning, to the
+op-by-op pass for that drafter from then on. Greedy drafting only (a plain argmax per slot);
+sampled drafts take the op-by-op path. Where it runs: where the target's decode forward is compiled
+(compiled_decode.wanted()).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import mlx.core as mx
 
@@ -53,6 +57,7 @@ class CompiledDraft:
         self._drafter = drafter
         self._fns: dict = {}  # threshold -> mx.compile'd pass
         self.traces = 0
+        self.failed: str | None = None  # why a pass could not run here: the drafter drafts op by op
 
     def _pass(self, threshold: float):
         fn = self._fns.get(threshold)
@@ -88,12 +93,22 @@ class CompiledDraft:
                 B, H, _, D = c.keys.shape
                 c.keys = mx.concatenate([c.keys, mx.zeros((B, H, grow, D), c.keys.dtype)], axis=2)
                 c.values = mx.concatenate([c.values, mx.zeros((B, H, grow, c.values.shape[3]), c.values.dtype)], axis=2)
-        outs = self._pass(float(threshold))(
-            mx.array(int(anchor), dtype=mx.int32),
-            mx.array(state[0].offset, dtype=mx.int32),
-            [c.keys for c in state],
-            [c.values for c in state],
-        )
+        traced = self.traces
+        try:
+            outs = self._pass(float(threshold))(
+                mx.array(int(anchor), dtype=mx.int32),
+                mx.array(state[0].offset, dtype=mx.int32),
+                [c.keys for c in state],
+                [c.values for c in state],
+            )
+            if self.traces != traced:  # a new graph: run it here, where its failure can fall back
+                mx.eval(outs)
+        except (RuntimeError, ValueError, TypeError) as e:  # a backend that cannot run it
+            self.failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"the compiled drafter pass failed here ({self.failed}); drafting op by op", stacklevel=2)
+            d = self._drafter  # the rows are in the state already
+            toks, _, conf = d.sample(d.block_hidden(anchor, None, state), anchor, _greedy, threshold)
+            return mx.stack(toks), conf
         return outs[0], (outs[1] if len(outs) > 1 else None)
 
 
@@ -106,4 +121,4 @@ def for_drafter(drafter) -> CompiledDraft | None:
     got = getattr(drafter, "_compiled_draft", None)
     if got is None:
         got = drafter._compiled_draft = CompiledDraft(drafter)
-    return got
+    return None if got.failed else got
