@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -22,15 +23,11 @@ from pathlib import Path
 
 import _package  # the installed mlx_dspark, else python/; the precision loader
 
-_COMPILE_SETTING = __import__("os").environ.get("MLX_DSPARK_COMPILE", "auto")
-
-
+_COMPILE_SETTING = os.environ.get("MLX_DSPARK_COMPILE", "auto")
 EAGER = "kernels-eager"  # the kernel path built op by op at every step (MLX_DSPARK_COMPILE=off)
 
 
 def use_path(target, side: str) -> None:
-    import os
-
     from mlx_dspark.models import invariance
 
     os.environ["MLX_DSPARK_COMPILE"] = "off" if side == EAGER else _COMPILE_SETTING
