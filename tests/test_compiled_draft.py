@@ -11,7 +11,7 @@ import pytest
 from drafter_fixtures import workspace
 
 import mlx_dspark as md
-from mlx_dspark.models import compiled_draft
+from mlx_dspark.models import compiled_decode, compiled_draft
 from mlx_dspark.models.drafters import load_drafter
 
 PROMPT = [5, 9, 23, 41, 7, 12]
@@ -43,7 +43,7 @@ def test_the_compiled_pass_drafts_what_the_op_by_op_pass_drafts(dkey, threshold,
     if conf is not None:
         assert mx.allclose(conf, want_conf, atol=1e-4).item()
     assert state[0].offset == eager_state[0].offset == 37
-    assert state[0].keys.shape[2] % compiled_draft.CAPACITY_STEP == 0
+    assert state[0].keys.shape[2] % compiled_decode.CAPACITY_STEP == 0
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,19 @@ def bucket(w: int) -> int:
     return -(-w // 16) * 16
 
 
+def pad_to_blocks(c, need: int = 0) -> None:
+    """Grow a cache's keys / values buffers (axis 2) to whole CAPACITY_STEP blocks holding at least
+    `need` positions: mlx-lm's prefill (256s) and a restored prefix (any length) then share the
+    traces of their block. Positions past the cache's offset are never read."""
+    cap = c.keys.shape[2]
+    if cap >= need and cap % CAPACITY_STEP == 0:
+        return
+    grow = -(-max(need, cap) // CAPACITY_STEP) * CAPACITY_STEP - cap
+    B, H, _, Dk = c.keys.shape
+    c.keys = mx.concatenate([c.keys, mx.zeros((B, H, grow, Dk), c.keys.dtype)], axis=2)
+    c.values = mx.concatenate([c.values, mx.zeros((B, H, grow, c.values.shape[3]), c.values.dtype)], axis=2)
+
+
 def setting() -> str:
     raw = os.environ.get("MLX_DSPARK_COMPILE", "auto").strip().lower()
     return raw if raw in ("auto", "on", "off") else "auto"
@@ -142,13 +155,7 @@ class CompiledDecode:
         off = cache[0].offset
         need = off + W
         for c in cache:
-            cap = c.keys.shape[2]
-            if cap < need or cap % CAPACITY_STEP:  # whole blocks: mlx-lm's prefill (256s) and a
-                # restored prefix (any length) then share the traces of their block
-                grow = -(-max(need, cap) // CAPACITY_STEP) * CAPACITY_STEP - cap
-                B, H, _, Dk = c.keys.shape
-                c.keys = mx.concatenate([c.keys, mx.zeros((B, H, grow, Dk), c.keys.dtype)], axis=2)
-                c.values = mx.concatenate([c.values, mx.zeros((B, H, grow, c.values.shape[3]), c.values.dtype)], axis=2)
+            pad_to_blocks(c, need)
         outs, keys, values = self._step(tuple(taps))(
             tokens, mx.array(off, dtype=mx.int32), [c.keys for c in cache], [c.values for c in cache]
         )

@@ -27,7 +27,7 @@ import warnings
 
 import mlx.core as mx
 
-from .compiled_decode import CAPACITY_STEP, wanted
+from .compiled_decode import pad_to_blocks, wanted
 
 
 class _BlockKV:
@@ -87,12 +87,7 @@ class CompiledDraft:
         elif any(c.keys is None for c in state):
             return None  # nothing ingested yet: the op-by-op pass, rows untouched
         for c in state:
-            cap = c.keys.shape[2]
-            if cap % CAPACITY_STEP:
-                grow = -(-cap // CAPACITY_STEP) * CAPACITY_STEP - cap
-                B, H, _, D = c.keys.shape
-                c.keys = mx.concatenate([c.keys, mx.zeros((B, H, grow, D), c.keys.dtype)], axis=2)
-                c.values = mx.concatenate([c.values, mx.zeros((B, H, grow, c.values.shape[3]), c.values.dtype)], axis=2)
+            pad_to_blocks(c)
         traced = self.traces
         try:
             outs = self._pass(float(threshold))(
