@@ -184,25 +184,26 @@ def lossless(res: dict, ref_rows=None) -> dict:
 
 
 def report(args, prep, ref, ours, peer, prompts) -> tuple[str, dict]:
-    sides = {"ref": ref, "ours": ours, "peer": peer}
+    """The report and the JSON record; `peer` None: ours against mlx-lm only (--no-peer)."""
+    sides = {"ref": ref, "ours": ours, **({"peer": peer} if peer else {})}
     t = summarize(prompts, sides)
     cols = list(dict.fromkeys(p["domain"] for p in prompts)) + ["code", "chat", "overall"]
     fmt = lambda x: f"{x:.1f}" if x else "-"  # noqa: E731
     caps = [k for k in t if k.startswith("peer:dspark")]
     ours_main = "ours:dspark" if "ours:dspark" in t else next(k for k in t if k.startswith("ours:dspark"))
-    best = {c: max(caps, key=lambda k: t[k][c]) for c in cols}
+    best = {c: max(caps, key=lambda k: t[k][c]) for c in cols} if caps else {}
 
     def ratio(a, b, c):
         return t[a][c] / t[b][c] if t[b][c] else 0.0
 
+    title = f"Ours against mlx-dspark {peer['version']} (PyPI)" if peer else "Ours against mlx-lm (the peer not run)"
     lines = [
-        f"## Ours against mlx-dspark {peer['version']} (PyPI) in one job: {prep['device']}, mlx {prep['mlx']}, "
-        f"mlx-lm {ref['mlx_lm']}, {prep['dtype']}",
+        f"## {title} in one job: {prep['device']}, mlx {prep['mlx']}, mlx-lm {ref['mlx_lm']}, {prep['dtype']}",
         f"`python {' '.join(sys.argv)}` at {time.strftime('%Y-%m-%d %H:%M')}; Python {prep['python']}",
         "",
         f"{args.n} prompts per domain (first turn of the first rows of {', '.join(args.domains)}), {args.tokens} new "
         f"tokens, greedy, the same prompt ids on every side; one warm-up pass, then the best of "
-        f"{ours['timed_passes']} (ours) / {peer['timed_passes']} (peer) / {ref['timed_passes']} (mlx-lm) timed passes; "
+        f"{ours['timed_passes']} (ours) / {peer['timed_passes'] if peer else '-'} (peer) / {ref['timed_passes']} (mlx-lm) timed passes; "
         "tok/s = tokens / wall time of the whole call; geometric means over prompts (code = humaneval + mbpp, "
         "chat = mt-bench).",
         f"Target: {prep['target_dir']} (from {Path(prep['model']).name}, "
@@ -212,9 +213,13 @@ def report(args, prep, ref, ours, peer, prompts) -> tuple[str, dict]:
             f"({k}: {v.get('bits')}-bit, draft vocabulary {v.get('draft_vocab')})" for k, v in ours["drafters"].items()
         )
         + f"; the peer loads its {prep['dtype']} dequantized copy unquantized (`--drafter-bits 0`).",
-        f"Peer: {peer['file']} (Python {peer['python']}; {json.dumps(peer['packages'])}); "
-        f"lookup drafts {peer['lookup_drafts']}, drafter window {peer['drafter_window']}; "
-        f"kernel gates: {json.dumps(peer['gates'])}.",
+        (
+            f"Peer: {peer['file']} (Python {peer['python']}; {json.dumps(peer['packages'])}); "
+            f"lookup drafts {peer['lookup_drafts']}, drafter window {peer['drafter_window']}; "
+            f"kernel gates: {json.dumps(peer['gates'])}."
+            if peer
+            else "Peer: not run (--no-peer)."
+        ),
         "",
         "| tok/s | " + " | ".join(cols) + " | accept |",
         "|---|" + "---|" * (len(cols) + 1),
@@ -225,29 +230,33 @@ def report(args, prep, ref, ours, peer, prompts) -> tuple[str, dict]:
             k, k.replace(":", " ").replace("dspark-cap", "DSpark cap ").replace("ours dspark", "ours DSpark")
         )
         lines.append(f"| {name} | " + " | ".join(fmt(row[c]) for c in cols) + f" | {row['accept']:.2f} |")
-    rat = {
-        "ours DSpark / peer best cap": {c: ratio(ours_main, best[c], c) for c in cols},
-        "peer best cap": {c: best[c].split("cap")[-1] for c in cols},
-        "ours DSpark / mlx_lm": {c: ratio(ours_main, "ref:mlx_lm", c) for c in cols},
-        "peer best cap / mlx_lm": {c: ratio(best[c], "ref:mlx_lm", c) for c in cols},
-        "ours baseline / peer baseline": {c: ratio("ours:baseline", "peer:baseline", c) for c in cols},
-    }
+    rat = {"ours DSpark / mlx_lm": {c: ratio(ours_main, "ref:mlx_lm", c) for c in cols}}
+    if peer:
+        rat = {
+            "ours DSpark / peer best cap": {c: ratio(ours_main, best[c], c) for c in cols},
+            "peer best cap": {c: best[c].split("cap")[-1] for c in cols},
+            **rat,
+            "peer best cap / mlx_lm": {c: ratio(best[c], "ref:mlx_lm", c) for c in cols},
+            "ours baseline / peer baseline": {c: ratio("ours:baseline", "peer:baseline", c) for c in cols},
+        }
     for k in t:
         if k.startswith("ours:dspark-"):
-            rat[f"{k[5:]} / peer best cap"] = {c: ratio(k, best[c], c) for c in cols}
+            rat[f"{k[5:]} / mlx_lm"] = {c: ratio(k, "ref:mlx_lm", c) for c in cols}
+            if peer:
+                rat[f"{k[5:]} / peer best cap"] = {c: ratio(k, best[c], c) for c in cols}
     lines += ["", "| ratio | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for name, row in rat.items():
         cells = [v if isinstance(v, str) else f"{v:.2f}x" for v in (row[c] for c in cols)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     bars = [
-        ("ours DSpark / peer best cap, overall", rat["ours DSpark / peer best cap"]["overall"], 1.3),
+        *([("ours DSpark / peer best cap, overall", rat["ours DSpark / peer best cap"]["overall"], 1.3)] if peer else []),
         ("ours DSpark / mlx_lm, code", rat["ours DSpark / mlx_lm"]["code"], 2.0),
         ("ours DSpark / mlx_lm, chat", rat["ours DSpark / mlx_lm"]["chat"], 1.5),
     ]
     lines.append("")
     for name, v, bar in bars:
         lines.append(f"- {name}: **{v:.2f}x** (bar >= {bar}x): {'met' if v >= bar else 'NOT met'}")
-    ll = {"ours": lossless(ours, ref["modes"]["mlx_lm"]), "peer": lossless(peer, ref["modes"]["mlx_lm"])}
+    ll = {side: lossless(res, ref["modes"]["mlx_lm"]) for side, res in sides.items() if side != "ref"}
     lines += [
         "",
         "| side | mode | token ids equal | text equal | against | every run repeats | most tokens past the asked |",
@@ -259,8 +268,9 @@ def report(args, prep, ref, ours, peer, prompts) -> tuple[str, dict]:
             lines.append(f"| {side} | {mode} | {v['ids']}/{v['of']} | {v['text']}/{v['of']} | {against} | "
                          f"{'yes' if v['repeatable'] else 'NO'} | {v['extra']} |")  # fmt: skip
     lines.append(
-        f"\nPrompt ids as each side's own chat-template encoding makes them: ours {sum(ours['same_prompt_ids'])}/"
-        f"{len(prompts)}, peer {sum(peer['same_prompt_ids'])}/{len(prompts)} equal to the shared ones."
+        "\nPrompt ids as each side's own chat-template encoding makes them: "
+        + ", ".join(f"{side} {sum(sides[side]['same_prompt_ids'])}/{len(prompts)}" for side in ll)
+        + " equal to the shared ones."
     )
     for side, modes in ll.items():
         ok = all(v["ids"] == v["of"] and v["text"] == v["of"] for m, v in modes.items() if m != "baseline")
@@ -291,7 +301,10 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=2, help="timed passes per side (after one warm-up pass)")
     ap.add_argument("--caps", default="2,4,7", help="the peer's --max-draft values")
     ap.add_argument(
-        "--ours-bits", default="default,16", help="our drafter bits per DSpark row: default (as the CLI), 4, 8, 16"
+        "--ours-bits",
+        default="default,16",
+        help="our DSpark rows, by drafter bits: default (as the CLI), 4, 8, 16; hostdraft: default bits with "
+        "the compiled drafts read back before the verify (two syncs a round, as before)",
     )
     ap.add_argument("--work", default="/tmp/bench_peer", help="converted target/drafter, peer site, per-side JSON")
     ap.add_argument("--peer-wheels", default=str(WHEELS), help="folder of the wheels listed in the header")
@@ -299,16 +312,18 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=480, help="stop timed passes when this is spent (whole run)")
     ap.add_argument("--out", help="append the markdown report here")
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--no-peer", action="store_true", help="ours against mlx-lm only: the peer is neither installed nor run")
     args = ap.parse_args()
     t0 = time.time()
     work = Path(args.work).resolve()
     (work / "peer_home").mkdir(parents=True, exist_ok=True)
     site, deps = work / "peer_site", work / "peer_deps"
-    install_peer(Path(args.peer_wheels), site, deps, args.peer_python)
     prompts = read_prompts(Path(args.eval_dir), args.domains, args.n)
     paths = {"peer_site": str(site), "peer_deps": str(deps)}
-    check = run_child("check", paths, work, args.peer_python, "peer")  # fails here, before any timing
-    say(f"peer {check['version']} imports from {check['file']}; around it: {json.dumps(check['packages'])}")
+    if not args.no_peer:
+        install_peer(Path(args.peer_wheels), site, deps, args.peer_python)
+        check = run_child("check", paths, work, args.peer_python, "peer")  # fails here, before any timing
+        say(f"peer {check['version']} imports from {check['file']}; around it: {json.dumps(check['packages'])}")
     model = args.model or os.environ.get("MLX_DSPARK_DEMO_GGUF")
     base = {"work": str(work), "model": model, "drafter": str(Path(args.drafter).resolve()), "dtype": args.dtype}
     prep = run_child("prep", base, work, sys.executable, "ours")
@@ -316,7 +331,7 @@ def main() -> int:
            "trials": args.trials, "caps": [int(c) for c in args.caps.split(",")], **paths,
            "ours_bits": args.ours_bits.split(",")}  # fmt: skip
     # the time left, shared by the sides in proportion to their modes (ref 1, ours 1+bits, peer 1+caps)
-    weights = {"ref": 1, "ours": 1 + len(job["ours_bits"]), "peer": 1 + len(job["caps"])}
+    weights = {"ref": 1, "ours": 1 + len(job["ours_bits"]), "peer": 0 if args.no_peer else 1 + len(job["caps"])}
     left = lambda: args.budget_s - (time.time() - t0)  # noqa: E731
     job["deadline"] = time.time() + left() * weights["ref"] / sum(weights.values())
     ref = run_child("ref", job, work, sys.executable, "ref")
@@ -326,8 +341,10 @@ def main() -> int:
     job["deadline"] = time.time() + left() * weights["ours"] / (weights["ours"] + weights["peer"])
     ours = run_child("ours", job, work, sys.executable, "ours")
     job["deadline"] = time.time() + left()
-    peer = run_child("peer", job, work, args.peer_python, "peer")
-    peer["packages"] = check["packages"]
+    peer = None
+    if not args.no_peer:
+        peer = run_child("peer", job, work, args.peer_python, "peer")
+        peer["packages"] = check["packages"]
     text, record = report(args, prep, ref, ours, peer, [{k: v for k, v in p.items() if k != "ids"} for p in prompts])
     text += f"\n(whole run {time.time() - t0:.0f}s)\n"
     print(text)

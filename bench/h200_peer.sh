@@ -2,7 +2,8 @@
 # Ours against mlx-dspark 0.20.3 (PyPI) on the H200 in one device call: bench/bench_peer.py (its
 # header says what runs and how). In the repo root:
 #   bash bench/h200_peer.sh                  # N=3 TOKENS=192 TRIALS=2 BUDGET=440 (seconds of the script);
-#                                            # PEER_WHEELS=DIR where the wheels are not in .device-carry/peer-wheels
+#                                            # PEER_WHEELS=DIR where the wheels are not in .device-carry/peer-wheels;
+#                                            # NO_PEER=1: ours against mlx-lm only; OURS_BITS=default,hostdraft: our rows
 # Carry: ".device-carry/peer-wheels" (12 MB, git-ignored: the peer's wheel, mlx-vlm 0.7.10, and
 # requests, urllib3, certifi, idna, charset-normalizer, pillow for cp312 where the machine lacks them),
 # with the carry set 'inv' READY on the machine (C: wheels/ = mlx-cuda-13, mlx, mlx-lm, gguf; the demo
@@ -16,5 +17,5 @@ python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import mlx.core" 2>/dev
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$C"/wheels/*.whl
 export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1 MLX_DSPARK_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 bench/bench_peer.py --model "$C/SmolLM2-135M-Instruct.Q4_1.gguf" --eval-dir "$C/eval" ${PEER_WHEELS:+--peer-wheels "$PEER_WHEELS"} \
-  --n "${N:-3}" --tokens "${TOKENS:-192}" --trials "${TRIALS:-2}" --budget-s "${BUDGET:-440}" \
+  ${NO_PEER:+--no-peer} ${OURS_BITS:+--ours-bits "$OURS_BITS"} --n "${N:-3}" --tokens "${TOKENS:-192}" --trials "${TRIALS:-2}" --budget-s "${BUDGET:-440}" \
   --out "$OUT/peer-h200.md" --json "$OUT/peer-h200.json"

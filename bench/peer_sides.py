@@ -190,14 +190,23 @@ def role_ours(job: dict) -> dict:
         )
     }
     drafters = {}
-    for bits in job["ours_bits"]:
-        b = None if bits == "default" else int(bits)
+    from mlx_dspark.decode.drafting import DrafterProposer
+
+    def dspark(ids, d, device_drafts=True):
+        DrafterProposer.device_drafts = device_drafts
+        try:
+            return _ours_run(
+                generate(target, tok, None, prompt_ids=ids, mode="dspark", drafter=d, max_new_tokens=n, max_draft="auto")
+            )
+        finally:
+            DrafterProposer.device_drafts = True
+
+    for bits in job["ours_bits"]:  # "default" | 4 | 8 | 16 | "hostdraft" (default bits, drafts read back first)
+        b = None if bits in ("default", "hostdraft") else int(bits)
         d = drafter_for(target, "dspark", job["drafter"], bits=b)
-        name = "dspark" if b is None else f"dspark-{b}bit"
+        name = "dspark" if bits == "default" else "dspark-hostdraft" if bits == "hostdraft" else f"dspark-{b}bit"
         drafters[name] = d.describe()
-        modes[name] = lambda ids, d=d: _ours_run(
-            generate(target, tok, None, prompt_ids=ids, mode="dspark", drafter=d, max_new_tokens=n, max_draft="auto")
-        )
+        modes[name] = lambda ids, d=d, dev=bits != "hostdraft": dspark(ids, d, dev)
     res = timed_passes(job, modes, "ours", tok.decode)
     return {
         **res,

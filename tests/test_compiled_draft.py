@@ -101,3 +101,54 @@ def test_a_pass_that_cannot_run_here_falls_back_to_the_op_by_op_pass(monkeypatch
     monkeypatch.setenv("MLX_DSPARK_COMPILE", "off")
     eager = md.generate(target, tok, None, prompt_ids=PROMPT, mode="auto", drafter=d, max_new_tokens=40)
     assert spec.accept_lengths == eager.accept_lengths  # the same drafts as the op-by-op pass
+
+
+@pytest.mark.parametrize("dkey", ["perm_dspark", "perm_dspark_noisy"])
+def test_compiled_drafts_stay_on_the_device_until_the_accept_point(dkey, monkeypatch):
+    """A compiled greedy draft goes into the verify forward unread: propose() makes no host sync
+    (the round's one sync reads the draft with the accept point), and ids, text and tokens per
+    round equal the drafts read back first (device_drafts False) and baseline."""
+    from mlx_dspark.api import start
+    from mlx_dspark.decode.loop import Generation
+
+    target, tok, d = pair("target_perm", dkey, monkeypatch)
+    base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=60)
+    real_eval, real_plan = mx.eval, Generation.plan_draft
+
+    def run(device: bool):
+        tg = start(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=60, lookup_drafts=False)
+        g = tg.generation
+        g.proposer.device_drafts = device
+        seen = {"device": 0, "host": 0, "evals in propose": 0}
+        real_propose = g.proposer.propose
+
+        def propose(*a, **k):
+            n = len(evals)
+            try:
+                return real_propose(*a, **k)
+            finally:
+                seen["evals in propose"] += len(evals) - n
+
+        def plan_draft(self, draft):
+            if draft.size:
+                seen["device" if draft.device is not None else "host"] += 1
+            return real_plan(self, draft)
+
+        evals = []
+        monkeypatch.setattr(mx, "eval", lambda *a, **k: (evals.append(1), real_eval(*a, **k))[1])
+        monkeypatch.setattr(Generation, "plan_draft", plan_draft)
+        g.proposer.propose = propose
+        try:
+            res = tg.run()
+        finally:
+            monkeypatch.setattr(mx, "eval", real_eval)
+            monkeypatch.setattr(Generation, "plan_draft", real_plan)
+        return res, seen
+
+    off, seen_off = run(False)  # first: it traces the pass, whose first run syncs once
+    on, seen_on = run(True)
+    assert on.tokens == off.tokens == base.tokens and on.text == off.text == base.text
+    assert on.accept_lengths == off.accept_lengths and on.rounds > 1
+    assert seen_on["device"] > 0 and seen_on["host"] == 0 and seen_on["evals in propose"] == 0
+    assert seen_off["device"] == 0 and seen_off["host"] == seen_on["device"]
+    assert seen_off["evals in propose"] >= seen_off["host"]

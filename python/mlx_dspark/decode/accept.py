@@ -32,10 +32,14 @@ class GreedyAcceptor:
         return mx.argmax(logits_row, axis=-1).astype(mx.int32)
 
     def verify(self, logits: mx.array, draft: Draft, history: Sequence[int]) -> tuple[int, int]:
-        k = len(draft.tokens)
-        d = mx.array([draft.tokens], dtype=mx.int32) if k else mx.zeros((1, 0), dtype=mx.int32)
+        k = draft.size
+        if draft.device is not None:  # read back with the accept point: one sync for the round
+            d = draft.device.reshape(1, k)
+        else:
+            d = mx.array([draft.tokens], dtype=mx.int32) if k else mx.zeros((1, 0), dtype=mx.int32)
         _, accepted, bonus = kernels.greedy_accept(logits[None, : k + 1], d)
-        mx.eval(accepted, bonus)
+        mx.eval(accepted, bonus, d)
+        draft.read()
         return int(accepted.item()), int(bonus.item())
 
     def token_logprobs(self, rows: mx.array, tokens: Sequence[int], history: Sequence[int]) -> list[dict]:

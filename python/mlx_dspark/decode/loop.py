@@ -393,19 +393,25 @@ class Generation:
         """The Feed of plan_begin()'s step with the proposer's draft (an empty one: a plain step)."""
         first, self._first = self._first, Commit([])
         anchor = self.history[-1]
-        if draft.tokens:
+        if draft.device is not None:
+            if draft.size > self._k:
+                draft.device = draft.device[: self._k]
+        elif draft.tokens:
             draft.tokens = [int(t) for t in draft.tokens[: self._k]]
             if draft.q is not None:
                 draft.q = draft.q[: len(draft.tokens)]
-        if not draft.tokens:
+        if not draft.size:
             # Synchronous plain step (the proposer declined after all).
             return Feed(
                 mx.array([anchor], dtype=mx.int32), 1, self.taps, lambda out: self._finish_sync(out, anchor, first)
             )
-        block = [anchor] + draft.tokens
+        if draft.device is not None:  # the drafter's tokens go in as they are, unread
+            block = mx.concatenate([mx.array([anchor], dtype=mx.int32), draft.device.astype(mx.int32)])
+        else:
+            block = mx.array([anchor] + draft.tokens, dtype=mx.int32)
         return Feed(
-            mx.array(block, dtype=mx.int32),
-            len(block),
+            block,
+            1 + draft.size,
             self.taps,
             lambda out: self._finish_round(out, anchor, draft, first),
         )
@@ -438,8 +444,8 @@ class Generation:
         return first
 
     def _finish_round(self, out, anchor: int, draft: Draft, first: Commit) -> Commit:
-        taps, k = self.taps, len(draft.tokens)
-        n_acc, nxt_tok = self.acceptor.verify(out.logits[0], draft, self.history)
+        taps, k = self.taps, draft.size
+        n_acc, nxt_tok = self.acceptor.verify(out.logits[0], draft, self.history)  # reads the draft back
         self._fed([anchor] + draft.tokens, out.hidden[0] if taps else None)
         self._trim(k - n_acc)
         self.proposer.observe(k, n_acc, out.hidden[0, : n_acc + 1] if taps else None)

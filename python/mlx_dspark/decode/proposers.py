@@ -37,6 +37,20 @@ class Draft:
     # Draft distributions q [k, V] at the verify temperature, after the same truncation and
     # penalties as the target's p. None means the proposal is deterministic (q is one-hot).
     q: mx.array | None = None
+    # A greedy draft still on the device: int32 [k], lazy (its pass enqueued with async_eval).
+    # The loop feeds it to the verify forward as it is and the acceptor reads it back in the
+    # same sync as the accept point, so the round syncs once; `tokens` is filled then.
+    device: mx.array | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens) if self.device is None else int(self.device.shape[0])
+
+    def read(self) -> list[int]:
+        """The draft's tokens, read back from the device where they are still there."""
+        if self.device is not None:
+            self.tokens, self.device = [int(t) for t in self.device.tolist()], None
+        return self.tokens
 
 
 class Proposer:

@@ -345,7 +345,7 @@ class SampledAcceptor:
 
     def verify(self, logits: mx.array, draft: Draft, history: Sequence[int]) -> tuple[int, int]:
         n_prompt = self._n_prompt(history)
-        k = len(draft.tokens)
+        k = len(draft.read())
         d = mx.array([draft.tokens], dtype=mx.int32).reshape(1, k)
         if self.params.greedy:
             x = penalized_logits(logits[: k + 1], self.params, history, n_prompt=n_prompt, drafts=draft.tokens)
