@@ -222,3 +222,32 @@ def test_the_calibration_is_keyed_by_the_compiled_path_and_times_replays(path, m
     monkeypatch.setenv("MLX_DSPARK_COMPILE", "off")
     invariance.set_path(target, "kernels")
     assert costs.key_for(target)["compiled"] is False and costs.key_for(target) != key
+
+
+EXIT_SCRIPT = """
+import sys, threading
+import mlx_dspark as md
+target, tok = md.load_target(sys.argv[1], dtype="float32")
+assert target.compiled_decode is not None
+got = {}
+worker = threading.Thread(target=lambda: got.setdefault("r", md.generate(target, tok, "the fox the fox", mode="lookup", max_new_tokens=24)))
+worker.start()
+worker.join()
+print(len(got["r"].tokens))
+"""
+
+
+def test_a_process_that_decoded_in_a_thread_exits_cleanly(path, tmp_path):
+    """A server decodes in its engine thread, through compiled steps, then exits: the process
+    ends with code 0, not MLX's abort at teardown (compat.note_decoding_thread; without it this
+    script aborted in 22 of 24 runs on the CI-like machine)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "decode_in_a_thread.py"
+    script.write_text(EXIT_SCRIPT)
+    env = dict(os.environ, MLX_DSPARK_INVARIANT="kernels", MLX_DSPARK_COMPILE="on")
+    for _ in range(4):
+        p = subprocess.run([sys.executable, str(script), path], env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and "terminate called" not in p.stderr, (p.returncode, p.stderr[-2000:])
+        assert p.stdout.strip() == "24"

@@ -268,6 +268,49 @@ def compile_before_threads(tokenizer) -> None:
             pass
 
 
+_mlx_threads: list = []  # threading.Thread objects, other than the main one, that decoded
+
+
+def note_decoding_thread() -> None:
+    """Call from a thread about to decode. At interpreter exit, threads that decoded and have
+    ended get time to finish MLX's thread-local teardown (see _await_decoding_threads).
+
+    Why (MLX 0.32.4, CPU and CUDA): each thread keeps its own cache of mx.compile'd graphs
+    (ours, and mlx.nn's compiled activations), freed by a thread-exit destructor that takes
+    the GIL. A thread that ends just before the interpreter finalizes takes it too late: CPython
+    exits it mid-destructor and the C++ runtime aborts the process ("terminate called without
+    an active exception", exit code 134). Plain MLX reproduces it; a server that decoded
+    through compiled steps in its engine thread hit it at nearly every exit."""
+    import threading
+
+    t = threading.current_thread()
+    if t is threading.main_thread() or any(x is t for x in _mlx_threads):
+        return
+    if not _mlx_threads:
+        import atexit
+
+        atexit.register(_await_decoding_threads)
+    _mlx_threads.append(t)
+
+
+def _await_decoding_threads(limit_s: float = 2.0) -> None:
+    """Before the interpreter finalizes (atexit, GIL released while waiting): wait until every
+    noted thread that has ended is gone from the OS, at most `limit_s`; where the OS does not
+    list its threads (/proc), a fixed 0.1 s. A thread still running is not waited for."""
+    import os
+    import time
+
+    ended = [t.native_id for t in _mlx_threads if not t.is_alive() and t.native_id is not None]
+    if not ended:
+        return
+    if not os.path.isdir("/proc/self/task"):
+        time.sleep(0.1)
+        return
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/self/task/{n}") for n in ended):
+        time.sleep(0.005)
+
+
 def route_row_attention() -> None:
     """mlx-lm (0.32.x) attention layers pass whatever their cache's update_and_fetch returned as
     keys and values to mx.fast.scaled_dot_product_attention (MLX 0.32.x), looked up at call time.

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from .. import kernels
+from ..compat import note_decoding_thread
 from ..kernels import cpu_attention, split_prefill
 from ..models.target import Target
 from .accept import make_acceptor
@@ -200,6 +201,7 @@ class Generation:
         on_prefill: Callable[[int, int], None] | None = None,
         checkpoint_prompt: bool = False,
     ):
+        note_decoding_thread()  # a clean exit after decoding in a thread: compat.py says why
         self.target, self.prompt = target, list(prompt)
         self.proposer = proposer or Proposer()
         self.sampling = sampling or SamplingParams()
