@@ -203,7 +203,8 @@ def report(args, prep, ref, ours, peer, prompts) -> tuple[str, dict]:
         "",
         f"{args.n} prompts per domain (first turn of the first rows of {', '.join(args.domains)}), {args.tokens} new "
         f"tokens, greedy, the same prompt ids on every side; one warm-up pass, then the best of "
-        f"{ours['timed_passes']} (ours) / {peer['timed_passes'] if peer else '-'} (peer) / {ref['timed_passes']} (mlx-lm) timed passes; "
+        f"{ours['timed_passes']} (ours) / {peer['timed_passes'] if peer else '-'} (peer) / "
+        f"{ref['timed_passes']} (mlx-lm) timed passes; "
         "tok/s = tokens / wall time of the whole call; geometric means over prompts (code = humaneval + mbpp, "
         "chat = mt-bench).",
         f"Target: {prep['target_dir']} (from {Path(prep['model']).name}, "
@@ -249,7 +250,11 @@ def report(args, prep, ref, ours, peer, prompts) -> tuple[str, dict]:
         cells = [v if isinstance(v, str) else f"{v:.2f}x" for v in (row[c] for c in cols)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     bars = [
-        *([("ours DSpark / peer best cap, overall", rat["ours DSpark / peer best cap"]["overall"], 1.3)] if peer else []),
+        *(
+            [("ours DSpark / peer best cap, overall", rat["ours DSpark / peer best cap"]["overall"], 1.3)]
+            if peer
+            else []
+        ),
         ("ours DSpark / mlx_lm, code", rat["ours DSpark / mlx_lm"]["code"], 2.0),
         ("ours DSpark / mlx_lm, chat", rat["ours DSpark / mlx_lm"]["chat"], 1.5),
     ]
@@ -312,7 +317,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=480, help="stop timed passes when this is spent (whole run)")
     ap.add_argument("--out", help="append the markdown report here")
     ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--no-peer", action="store_true", help="ours against mlx-lm only: the peer is neither installed nor run")
+    ap.add_argument(
+        "--no-peer", action="store_true", help="ours against mlx-lm only: the peer is neither installed nor run"
+    )
     args = ap.parse_args()
     t0 = time.time()
     work = Path(args.work).resolve()

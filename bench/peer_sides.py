@@ -196,7 +196,9 @@ def role_ours(job: dict) -> dict:
         DrafterProposer.device_drafts = device_drafts
         try:
             return _ours_run(
-                generate(target, tok, None, prompt_ids=ids, mode="dspark", drafter=d, max_new_tokens=n, max_draft="auto")
+                generate(
+                    target, tok, None, prompt_ids=ids, mode="dspark", drafter=d, max_new_tokens=n, max_draft="auto"
+                )
             )
         finally:
             DrafterProposer.device_drafts = True

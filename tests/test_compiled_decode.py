@@ -230,7 +230,13 @@ import mlx_dspark as md
 target, tok = md.load_target(sys.argv[1], dtype="float32")
 assert target.compiled_decode is not None
 got = {}
-worker = threading.Thread(target=lambda: got.setdefault("r", md.generate(target, tok, "the fox the fox", mode="lookup", max_new_tokens=24)))
+
+
+def decode():
+    got["r"] = md.generate(target, tok, "the fox the fox", mode="lookup", max_new_tokens=24)
+
+
+worker = threading.Thread(target=decode)
 worker.start()
 worker.join()
 print(len(got["r"].tokens))

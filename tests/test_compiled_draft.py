@@ -116,7 +116,9 @@ def test_compiled_drafts_stay_on_the_device_until_the_accept_point(dkey, monkeyp
     real_eval, real_plan = mx.eval, Generation.plan_draft
 
     def run(device: bool):
-        tg = start(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=60, lookup_drafts=False)
+        tg = start(
+            target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=60, lookup_drafts=False
+        )
         g = tg.generation
         g.proposer.device_drafts = device
         seen = {"device": 0, "host": 0, "evals in propose": 0}
