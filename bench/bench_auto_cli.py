@@ -1,10 +1,10 @@
 """The never-slower check, as a user gets it: one fresh `mlx-dspark generate` process per run.
 
-  python bench/bench_auto_cli.py [--blas both|openblas|reference] [--classes chat,code,math,copy]
+  python bench/bench_auto_cli.py [--blas both|openblas|reference|asis] [--classes chat,code,math,copy]
                                  [--reps 3] [--max-new-tokens 96] [--out bench/results/auto-cli-cpu.md]
 
 For each BLAS setting (reference = MLX_DSPARK_OPENBLAS=0, the new user's machine; openblas = what
-the CLI preloads) and each content class (the first prompt of benchmark.PROMPT_SETS), it runs
+the CLI preloads; asis = the environment untouched, for a GPU machine) and each content class (the first prompt of benchmark.PROMPT_SETS), it runs
 `--mode auto` (the default) and `--mode baseline` in alternation, `--reps` times each, every run a
 new process with `--json`, and reports the ratio of the median decode tok/s (and of the median
 end-to-end wall time of the process). Both sides decode the same tokens and text (checked). The first auto
@@ -66,7 +66,7 @@ def one_run(mode: str, prompt: str, n: int, env: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--blas", default="both", choices=["both", "openblas", "reference"])
+    ap.add_argument("--blas", default="both", choices=["both", "openblas", "reference", "asis"])
     ap.add_argument("--classes", default="chat,code,math,copy")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
@@ -75,24 +75,31 @@ def main() -> int:
     classes = a.classes.split(",")
     settings = ["reference", "openblas"] if a.blas == "both" else [a.blas]
     load = os.getloadavg()[0]
+    import mlx.core as mx
+
+    from mlx_dspark.models.precision import default_dtype
+
+    gpu = mx.default_device() == mx.gpu
+    machine = f"{mx.device_info().get('device_name', 'GPU')} (MLX {mx.__version__})" if gpu else cpu_name()
     emit(
         f"\n## bench_auto_cli.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
         f"`python bench/bench_auto_cli.py --blas {a.blas} --classes {a.classes} --reps {a.reps} "
-        f"--max-new-tokens {a.max_new_tokens}`; {cpu_name()}, {os.cpu_count()} cores, shared with other "
-        f"jobs (load average {load:.1f} at the start); demo model, float32; modes alternate run by run.\n",
+        f"--max-new-tokens {a.max_new_tokens}`; {machine}, {os.cpu_count()} cores, shared with other "
+        f"jobs (load average {load:.1f} at the start); demo model, {default_dtype()}; modes alternate run by run.\n",
         a.out,
     )
     for setting in settings:
         cache = tempfile.mkdtemp(prefix="mlx-dspark-bench-cache-")
         env = dict(os.environ, MLX_DSPARK_CACHE=cache)
-        env.pop("LD_PRELOAD", None)
-        env.pop("MLX_DSPARK_OPENBLAS_REEXEC", None)
+        if setting != "asis":
+            env.pop("LD_PRELOAD", None)
+            env.pop("MLX_DSPARK_OPENBLAS_REEXEC", None)
         if setting == "reference":
             env["MLX_DSPARK_OPENBLAS"] = "0"
         t = time.perf_counter()
         first = one_run("auto", bm.PROMPT_SETS[classes[0]][0], 8, env)
         emit(
-            f"### {setting} BLAS\n\nfirst auto run (calibration included): {time.perf_counter() - t:.1f} s wall, "
+            f"### {'as it is' if setting == 'asis' else setting + ' BLAS'}\n\nfirst auto run (calibration included): {time.perf_counter() - t:.1f} s wall, "
             f"ran {first['mode']}" + (f"; it said: `{first['notice'][0]}`" if first["notice"] else "") + "\n",
             a.out,
         )
