@@ -4,7 +4,8 @@
                                  [--reps 3] [--max-new-tokens 96] [--out bench/results/auto-cli-cpu.md]
 
 For each BLAS setting (reference = MLX_DSPARK_OPENBLAS=0, the new user's machine; openblas = what
-the CLI preloads; asis = the environment untouched, for a GPU machine) and each content class (the first prompt of benchmark.PROMPT_SETS), it runs
+the CLI preloads; asis = the environment untouched, for a GPU machine) and each content class
+(the first prompt of benchmark.PROMPT_SETS), it runs
 `--mode auto` (the default) and `--mode baseline` in alternation, `--reps` times each, every run a
 new process with `--json`, and reports the ratio of the median decode tok/s (and of the median
 end-to-end wall time of the process). Both sides decode the same tokens and text (checked). The first auto
@@ -99,7 +100,8 @@ def main() -> int:
         t = time.perf_counter()
         first = one_run("auto", bm.PROMPT_SETS[classes[0]][0], 8, env)
         emit(
-            f"### {'as it is' if setting == 'asis' else setting + ' BLAS'}\n\nfirst auto run (calibration included): {time.perf_counter() - t:.1f} s wall, "
+            f"### {'as it is' if setting == 'asis' else setting + ' BLAS'}\n\n"
+            f"first auto run (calibration included): {time.perf_counter() - t:.1f} s wall, "
             f"ran {first['mode']}" + (f"; it said: `{first['notice'][0]}`" if first["notice"] else "") + "\n",
             a.out,
         )
