@@ -248,7 +248,8 @@ def main(argv=None) -> int:
         for i in range(max(repeat, 1)):
             if not plan.allows(f"{mode}: lone repeat {i + 1}", SLACK * 2 * tokens / s_tps[mode]):
                 break
-            for name, eng in zip(("serial", "batched"), engines[mode]):
+            pair = list(zip(("serial", "batched"), engines[mode]))
+            for name, eng in pair if i % 2 == 0 else pair[::-1]:  # either engine first, in turn
                 wall, cpu, _ = _run(eng, prompts[:1], tokens)
                 best[name][0].append(wall)
                 best[name][1].append(cpu)
