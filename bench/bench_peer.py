@@ -2,7 +2,11 @@
 same drafter, same prompt token ids, greedy, warm, each side in its own process.
 
   python bench/bench_peer.py [--model GGUF_OR_MLX_DIR] [--n 3] [--tokens 192] [--trials 2]
-                             [--caps 2,4,7] [--out FILE] [--json FILE]
+                             [--caps 2,4,7] [--ours-bits default,16|default,hostdraft] [--no-peer]
+                             [--out FILE] [--json FILE]
+
+--no-peer: ref and ours only (the peer is neither installed nor run); --ours-bits hostdraft adds a
+DSpark row whose compiled drafts are read back before the verify (two host syncs a round).
 
 What runs, one subprocess each, in this order (the parent imports neither package):
   prep  (ours, PYTHONPATH=python): the target GGUF (--model, else $MLX_DSPARK_DEMO_GGUF / the demo)
