@@ -18,7 +18,8 @@ overhead and to check that every mode's tokens equal baseline's. A timer's time 
   2 draft build   drafter.block_hidden + proposer._sample (backbone, lm_head, Markov chain), or
                   the compiled greedy pass (proposer._compiled_sample: models/compiled_draft.py): lazy
   3 draft eval    the rest of DrafterProposer.propose (its mx.eval of the block) + _drafted (the
-                  .tolist() of the drafts, the truncation), context ingest chunks
+                  .tolist() of the drafts, the truncation), context ingest chunks; ~0 where the
+                  compiled drafts stay on the device (their pass then ends inside phase 5's sync)
   4 verify build  plan_draft (the block as an mx.array) + target.forward (lazy)
   5 verify eval   the acceptor's verify (greedy_accept + its mx.eval + .item()); a plain step's
                   _finish_plain (lazy sample, async_eval, .item() of the pending token); the
