@@ -268,7 +268,8 @@ def compile_before_threads(tokenizer) -> None:
             pass
 
 
-_mlx_threads: list = []  # threading.Thread objects, other than the main one, that decoded
+_decoding_threads: dict = {}  # native id -> threading.Thread: the threads, not the main one, that decoded
+_exit_hook = {"registered": False, "ended_unlisted": False}
 
 
 def note_decoding_thread() -> None:
@@ -284,13 +285,29 @@ def note_decoding_thread() -> None:
     import threading
 
     t = threading.current_thread()
-    if t is threading.main_thread() or any(x is t for x in _mlx_threads):
+    n = threading.get_native_id()
+    if t is threading.main_thread() or _decoding_threads.get(n) is t:
         return
-    if not _mlx_threads:
+    if not _exit_hook["registered"]:
         import atexit
 
         atexit.register(_await_decoding_threads)
-    _mlx_threads.append(t)
+        _exit_hook["registered"] = True
+    for m, x in list(_decoding_threads.items()):  # forget the ended ones the OS has let go
+        if not x.is_alive() and not _os_lists_thread(m):
+            del _decoding_threads[m]
+    _decoding_threads[n] = t
+
+
+def _os_lists_thread(native_id: int) -> bool:
+    """Whether the OS still holds the thread (Linux: /proc); where it cannot say, False, and the
+    exit hook then waits a fixed time instead."""
+    import os
+
+    if os.path.isdir("/proc/self/task"):
+        return os.path.exists(f"/proc/self/task/{native_id}")
+    _exit_hook["ended_unlisted"] = True
+    return False
 
 
 def _await_decoding_threads(limit_s: float = 2.0) -> None:
@@ -300,14 +317,13 @@ def _await_decoding_threads(limit_s: float = 2.0) -> None:
     import os
     import time
 
-    ended = [t.native_id for t in _mlx_threads if not t.is_alive() and t.native_id is not None]
-    if not ended:
-        return
+    ended = [n for n, t in _decoding_threads.items() if not t.is_alive()]
     if not os.path.isdir("/proc/self/task"):
-        time.sleep(0.1)
+        if ended or _exit_hook["ended_unlisted"]:
+            time.sleep(0.1)
         return
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and any(os.path.exists(f"/proc/self/task/{n}") for n in ended):
+    while time.monotonic() < deadline and any(_os_lists_thread(n) for n in ended):
         time.sleep(0.005)
 
 

@@ -408,7 +408,7 @@ class Generation:
                 mx.array([anchor], dtype=mx.int32), 1, self.taps, lambda out: self._finish_sync(out, anchor, first)
             )
         if draft.device is not None:  # the drafter's tokens go in as they are, unread
-            block = mx.concatenate([mx.array([anchor], dtype=mx.int32), draft.device.astype(mx.int32)])
+            block = mx.concatenate([mx.array([anchor], dtype=mx.int32), draft.device])
         else:
             block = mx.array([anchor] + draft.tokens, dtype=mx.int32)
         return Feed(
