@@ -16,9 +16,10 @@
 #   4. bench/bench_dflash.py: mean acceptance on humaneval / mbpp / mt-bench eval prompts (SAMPLES
 #      per domain, greedy, full block, drafts only), every prompt checked against plain greedy
 #      (tokens and text), until the budget is spent; --register writes $OUT/drafter/pair.json.
-# $OUT gets: drafter/ (config.json, draft_vocab.json, pair.json; model.safetensors split into
-# 15 MB parts + its sha256: `cat model.safetensors.part* > model.safetensors`), report.md,
-# accept.json, train_log.jsonl, distill-*.log, timings.
+# $OUT gets 8 files (what comes back from a device call): drafter/ (config.json, draft_vocab.json,
+# pair.json; model.safetensors split into 15 MB parts + its sha256: `cat model.safetensors.part* >
+# model.safetensors`), report.md (with the distill log lines, train_log.jsonl's ends, timings) and
+# accept.json.
 #
 # Carry set (the lead's device-carry tooling): C holds
 #   wheels/                          mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0 (as 'distill')
@@ -27,7 +28,7 @@
 #   train/                           shared/data/prompts/train: arena-hard-v2, gsm8k, lbpp, livecodebench
 #                                    (3.4 MB as is; 1.1 MB as train.tar.gz: either is read)
 # CPU rehearsal (tiny): C=DIR DTYPE=float32 BUDGET=120 MAX_PROMPTS=8 ANSWER_TOKENS=32 SAMPLES=1 \
-#   LAYERS=1 TRAIN="--batch-size 2 --anchors 8" bash bench/h200_distill_dflash.sh run
+#   INIT= LAYERS=1 TRAIN="--batch-size 2 --anchors 8" bash bench/h200_distill_dflash.sh run  (INIT= : a random init)
 set -uo pipefail
 C=${C:-/var/tmp/carry/distill/files}
 OUT=${OUT:-/tmp/out}
@@ -45,11 +46,20 @@ T0=$(date +%s)
 el() { echo $(( $(date +%s) - T0 )); }
 left() { echo $(( BUDGET - $(el) )); }
 
-# 3 layers of hidden 576 (9/3 heads), MLP 1024, taps 1,8,14,20,27 (the default), block 16: ~19 MB in bf16.
-ARCH=${ARCH:-"--kind dflash --layers ${LAYERS:-3} --intermediate-size 1024"}
+# INIT (default: the shipped DSpark drafter, 5 layers) lends its backbone: fc, hidden_norm, the layers
+# and norm, with its taps and mask token; its heads are dropped (distill --kind dflash --init-from).
+# INIT= (empty): a random init of LAYERS (3) layers of hidden 576 (9/3 heads), MLP 1024, the default
+# taps 1,8,14,20,27. Either way block 16 (z-lab): ~19 MB (3 layers) or ~31 MB (5) in bf16.
+INIT=${INIT-python/mlx_dspark/assets/dspark-smollm2-135m-instruct}
+if [ -n "$INIT" ]; then
+  ARCH=${ARCH:-"--kind dflash --init-from $INIT"}
+else
+  ARCH=${ARCH:-"--kind dflash --layers ${LAYERS:-3} --intermediate-size 1024"}
+fi
 TRAIN=${TRAIN:-"--batch-size 16 --anchors 64 --lr 6e-4 --warmup-ratio 0.04 --train-vocab auto"}
 DATA_OPTS="--model $GGUF --dtype $DTYPE --answer-tokens ${ANSWER_TOKENS:-256} --gen-batch-size ${GEN_BATCH:-768} \
- --temperature ${TEMP:-0.3} --top-p 0.9 --no-builtin-prompts ${MAX_PROMPTS:+--max-train-prompts $MAX_PROMPTS}"
+ --temperature ${TEMP:-0.3} --top-p 0.9 --answers-per-prompt ${ANSWERS:-3} --no-builtin-prompts \
+ ${MAX_PROMPTS:+--max-train-prompts $MAX_PROMPTS}"
 
 prompts() {
   local d=$C/train
@@ -79,7 +89,10 @@ finish() {  # 3. and 4. for the drafter trained in $1
     split -b 15000000 -d "$W.x/model.safetensors" "$OUT/drafter/model.safetensors.part"
     sha256sum "$W.x/model.safetensors" | tee "$OUT/drafter/model.sha256"
     { echo; echo "## distill"; grep -hE "^distill:" "$OUT/distill-data.log" "$OUT/distill-train.log" 2>/dev/null | tail -8
-      echo; cat "$OUT/timings"; } >> "$OUT/report.md"
+      echo; echo "train_log.jsonl, first and last 3 rows:"; head -3 "$OUT/train_log.jsonl"; tail -3 "$OUT/train_log.jsonl"
+      echo; cat "$OUT/timings"; } >> "$OUT/report.md" 2>/dev/null
+    # At most 8 files come back from $OUT: the drafter's 6, report.md and accept.json.
+    rm -f "$OUT"/distill-*.log "$OUT/bench-dflash.log" "$OUT/train_log.jsonl" "$OUT/timings"
 }
 
 for step in "$@"; do

@@ -293,6 +293,35 @@ def test_init_from_a_zlab_drafter_keeps_its_layout_and_weights(tiny, tmp_path):
     assert not (tmp_path / "c" / "samples.jsonl").exists()
 
 
+def test_a_dflash_drafter_starts_from_a_dspark_drafters_backbone(tiny, tmp_path):
+    """--kind dflash --init-from a DSpark drafter: the DFlash drafter (z-lab layout, block 16)
+    starts from the DSpark backbone's tensors exactly (its depth, taps and mask token too); the
+    Markov and confidence heads are dropped. A DSpark drafter cannot start from a DFlash one."""
+    from mlx_dspark.errors import UserError
+    from mlx_dspark.train.pipeline import run_distill
+
+    o = _small(tiny, tmp_path / "s", steps=3, save_every=0, export=str(tmp_path / "s_x"))
+    o.train.kind, o.train.markov_rank = "dspark", 8
+    run_distill(o, log=_quiet)
+    ws = mx.load(str(tmp_path / "s" / "model.safetensors"))
+    assert any(k.startswith("markov_head.") for k in ws)
+
+    o = _small(tiny, tmp_path / "d", steps=0, save_every=0)
+    o.train.layers, o.train.init_from = None, str(tmp_path / "s_x")
+    run_distill(o, log=_quiet)
+    cfg = _assert_zlab_layout(tmp_path / "d", layers=1)
+    src = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["dflash_config"] == {"mask_token_id": src["mask_token_id"], "target_layer_ids": src["target_layer_ids"]}
+    wd = mx.load(str(tmp_path / "d" / "model.safetensors"))
+    for k in wd:  # bf16 -> float32 -> bf16 is exact
+        assert mx.array_equal(wd[k], ws[k]).item(), k
+
+    o = _small(tiny, tmp_path / "e", steps=1, save_every=0)
+    o.train.kind, o.train.layers, o.train.init_from = "dspark", None, str(tmp_path / "d")
+    with pytest.raises(UserError, match="--kind dspark disagrees with --init-from"):
+        run_distill(o, log=_quiet)
+
+
 @pytest.mark.slow
 def test_a_distilled_dflash_drafter_registers_with_its_figures_and_command(trained, tmp_path, monkeypatch):
     """write_pair_file registers the exported drafter (pair.json beside its weights) with the

@@ -65,6 +65,12 @@ def add_parser(sub) -> None:
     )
     d.add_argument("--gen-seconds", type=float, help="stop generating answers after this many seconds")
     d.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="prompts are raw text the target continues (a base model without a chat template), "
+        "as `generate --no-chat-template` feeds them",
+    )
+    d.add_argument(
         "--temperature", type=float, help="answer sampling (default: the target's generation_config, else 0.7)"
     )
     d.add_argument("--top-p", type=float, help="(default: generation_config, else 0.8)")
@@ -75,7 +81,8 @@ def add_parser(sub) -> None:
         metavar="DRAFTER",
         help="start from this drafter of the same target (a folder "
         "or repo id in the DeepSpec layout, e.g. an earlier "
-        "distill): its architecture, its weights trained further",
+        "distill): its architecture, its weights trained further; "
+        "with --kind dflash, a DSpark drafter lends its backbone (its heads are dropped)",
     )
     a.add_argument(
         "--layers",
@@ -168,6 +175,7 @@ def options_from_args(args):
         max_prompt_tokens=args.max_prompt_tokens,
         time_limit=args.gen_seconds,
         answers_per_prompt=args.answers_per_prompt,
+        chat_template=not args.no_chat_template,
     )
     cfg = DistillConfig(
         kind=args.kind,

@@ -13,7 +13,9 @@ One step (DeepSpec's "online target" mode: config/dspark/*_online.py):
 Embed / lm_head are frozen copies of the target's; everything else trains from a random init
 (DeepSpec does the same) or, with `init_from`, from an existing drafter checkpoint of the same
 target (a warm start: its architecture is taken from its config, its weights continue training;
-a larger `layers` grows it by identity-initialised layers).
+a larger `layers` grows it by identity-initialised layers). A DFlash drafter may start from a DSpark
+drafter's backbone (fc, hidden_norm, layers, norm: the same tensors); its heads are dropped and the
+block size and packaging are the DFlash ones.
 With `train_vocab`, the draft head trains over the draft vocabulary only (losses.py).
 Checkpoints (DeepSpec layout) and the resumable state are written every `save_every` steps and
 at the end; `--resume` continues an interrupted run exactly where its last state left off (same
@@ -75,6 +77,7 @@ class DistillConfig:
     init_from: str | None = None  # a drafter folder / repo id to start from (a warm start)
     train_vocab: int | str = "full"  # full, auto or N: train on the draft vocabulary (losses.py)
     init_layers: int | None = None  # set by resolve_arch: init_from's depth (below `layers`: grown)
+    init_backbone_only: bool = False  # set by resolve_arch: a DSpark init_from for a DFlash drafter
 
     def arch(self) -> dict:
         """What must match for --resume."""
@@ -227,7 +230,13 @@ def _init_arch(cfg: DistillConfig, target) -> Path:
         raise UserError(f"--init-from: {e}") from None
     if spec.packaging not in ("deepspec-dspark", "deepspec-dflash", "zlab-dflash"):
         raise UserError(f"--init-from {cfg.init_from}: a {spec.packaging} checkpoint cannot be trained further here")
-    for key, read in _INIT_ARCH.items():
+    keys = _INIT_ARCH
+    if cfg.kind == "dflash" and spec.kind == "dspark":
+        # A DFlash drafter grown from a DSpark drafter's backbone: the same fc / layers / norm
+        # tensors; the Markov and confidence heads are dropped, block and packaging are DFlash's.
+        cfg.init_backbone_only = True
+        keys = {k: v for k, v in _INIT_ARCH.items() if k not in ("block_size", "markov_rank", "kind", "layout")}
+    for key, read in keys.items():
         have = read(spec)
         if key == "layout" and have is None:
             continue  # a DSpark checkpoint: no DFlash layout
@@ -246,15 +255,21 @@ def _init_arch(cfg: DistillConfig, target) -> Path:
     return path
 
 
-def load_init_weights(model: DSparkModel, path: Path) -> None:
+_BACKBONE = ("fc.", "hidden_norm.", "layers.", "norm.")
+
+
+def load_init_weights(model: DSparkModel, path: Path, backbone_only: bool = False) -> None:
     """The trainable weights of the checkpoint at `path` into `model` (float32), strictly by name
     and shape; its embed_tokens / lm_head copies, if any, are ignored (the target's are used).
+    `backbone_only` reads only the backbone's tensors (a DSpark checkpoint's heads are dropped).
 
     A `model` deeper than the checkpoint grows it: layers past the checkpoint's keep their fresh
     init but with zero output projections (o_proj, down_proj), so each starts as the identity on
     the residual stream and the grown drafter drafts exactly what the checkpoint did."""
     want = {k: v.shape for k, v in tree_flatten(model.parameters()) if not k.startswith(("embed_tokens.", "lm_head."))}
     got = {k: v for k, v in read_weights(Path(path)).items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    if backbone_only:
+        got = {k: v for k, v in got.items() if k.startswith(_BACKBONE)}
     have = 1 + max((int(k.split(".")[1]) for k in got if k.startswith("layers.")), default=-1)
     new_layers = range(have, len(model.layers))
     for i in new_layers:
@@ -304,7 +319,7 @@ def build_model(target, tokenizer, cfg: DistillConfig, out: Path) -> tuple[DSpar
     model = DSparkModel(spec)
     ck.init_weights(model, cfg.seed)
     if init is not None:
-        load_init_weights(model, init)
+        load_init_weights(model, init, backbone_only=cfg.init_backbone_only)
     from ..models.drafters import target_dtype
 
     # Frozen copies in the target's compute dtype (bf16 on a GPU); trained weights in float32.
