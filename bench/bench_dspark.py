@@ -49,10 +49,11 @@ def speed(
     trials: int,
     max_draft: int | None = None,
     threshold: float = 0.0,
+    chat_template: bool = True,
 ) -> tuple[list[str], dict]:
     lines, per_dom = [], {}
     for p in prompts:
-        ids = D.encode(tok, p.text)
+        ids = D.encode(tok, p.text, chat_template)
         runs = {}
         for side, mode, kw in (
             ("baseline", "baseline", {}),
@@ -120,6 +121,9 @@ def main() -> int:
         default=0.0,
         help="speed runs: cut each block at the first slot whose confidence is below this",
     )
+    ap.add_argument(
+        "--no-chat-template", action="store_true", help="feed the prompts as raw text (a base-model target)"
+    )
     ap.add_argument("--skip-accept", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--out", help="append a markdown record here")
@@ -145,7 +149,14 @@ def main() -> int:
         for dom in args.domains:
             prompts += D.subsample(D.read_prompt_file(eval_dir / f"{dom}.jsonl"), args.samples, 0)
         t0 = time.perf_counter()
-        res = acceptance(target, tok, drafter, prompts, max_new_tokens=args.max_new_tokens)
+        res = acceptance(
+            target,
+            tok,
+            drafter,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            chat_template=not args.no_chat_template,
+        )
         record["acceptance"] = res
         lines += [
             f"### Mean acceptance length (greedy, DSpark drafts only, {args.samples} prompts/domain, "
@@ -177,7 +188,15 @@ def main() -> int:
         ]
         print("\n".join(head), flush=True)
         rows, summ = speed(
-            target, tok, drafter, prompts, args.max_new_tokens, args.trials, args.max_draft, args.confidence_threshold
+            target,
+            tok,
+            drafter,
+            prompts,
+            args.max_new_tokens,
+            args.trials,
+            args.max_draft,
+            args.confidence_threshold,
+            chat_template=not args.no_chat_template,
         )
         record["speed"] = summ
         lines += head + rows + [""]

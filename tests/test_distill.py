@@ -351,7 +351,8 @@ def test_bad_input_gets_a_clear_error(tiny, tmp_path, capsys):
     tc.pop("chat_template")
     (plain / "tokenizer_config.json").write_text(json.dumps(tc))
     assert _main(["--model", str(plain), "--out", str(tmp_path / "o3")]) == 2
-    assert "no chat template" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no chat template" in err and "--no-chat-template" in err
 
     (tmp_path / "o4").mkdir()
     (tmp_path / "o4" / "keep.txt").write_text("x")
@@ -359,6 +360,42 @@ def test_bad_input_gets_a_clear_error(tiny, tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert _main(["--model", str(tiny), "--out", str(tmp_path / "o5"), "--resume"]) == 2
     assert "no interrupted training run" in capsys.readouterr().err
+
+
+def test_a_base_model_distills_on_raw_prompts(tmp_path):
+    """--no-chat-template (a base model: no chat template): the target continues each prompt's raw
+    text, as `generate --no-chat-template` feeds it; the drafter trains and is evaluated on those
+    prompts, and its config says so. The answers of a templated run are not reused for it."""
+    from mlx_dspark.api import encode_prompt
+    from mlx_dspark.models.loading import load_target
+    from mlx_dspark.train import data as D
+    from mlx_dspark.train.data import load_samples
+    from mlx_dspark.train.pipeline import run_distill
+
+    plain = write_model(tmp_path / "plain", "qwen3", **TINY)
+    tc = json.loads((plain / "tokenizer_config.json").read_text())
+    tc.pop("chat_template")
+    (plain / "tokenizer_config.json").write_text(json.dumps(tc))
+    o = _small_run(plain, tmp_path / "raw", steps=3, save_every=0, prompts=2, answer_tokens=12)
+    o.train.gen.chat_template, o.evaluate, o.eval_samples, o.eval_max_tokens = False, True, 1, 8
+    summary = run_distill(o, log=_quiet)
+    assert summary["eval"]["_all"]["prompts"] > 0
+    cfg = json.loads((tmp_path / "raw" / "config.json").read_text())
+    assert cfg["mlx_dspark_distill"]["chat_template"] is False
+
+    _, tok = load_target(str(plain))
+    lines = (tmp_path / "raw" / "samples.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines[1:]]
+    prompts = [p.text for p in D.load_prompts([], builtin=True)]
+    raw = {tuple(encode_prompt(tok, t, chat_template=False)) for t in prompts}
+    assert rows and all(tuple(r["ids"][: r["n_prompt"]]) in raw for r in rows)
+
+    assert load_samples(tmp_path / "raw" / "samples.jsonl", json.loads(lines[0])["key"]) is not None
+    g, every = o.train.gen, D.load_prompts([], builtin=True)
+    key_raw = D.data_key(str(plain), every, g)
+    g.chat_template = True
+    assert D.data_key(str(plain), every, g) != key_raw
+    assert "chat_template" not in g.key()  # templated runs keep the keys they had before the switch
 
 
 def test_training_forward_is_the_inference_forward(tiny, tmp_path):

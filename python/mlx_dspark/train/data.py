@@ -178,16 +178,19 @@ def subsample(prompts: Sequence[Prompt], per_domain: int, seed: int) -> list[Pro
 def require_chat_template(tokenizer, name: str = "the target") -> None:
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(
-            f"{name} has no chat template: distill needs one, because the drafter must learn the "
-            "target's answers in the exact format it is prompted with at inference "
-            "(use an instruct/chat model, or add a chat_template to its tokenizer_config.json)"
+            f"{name} has no chat template: the drafter must learn the target's answers in the exact "
+            "format it is prompted with at inference. For a base model prompted with raw text (as "
+            "`generate --no-chat-template` runs it), pass --no-chat-template; otherwise use an "
+            "instruct/chat model, or add a chat_template to its tokenizer_config.json"
         )
 
 
-def encode(tokenizer, text: str) -> list[int]:
+def encode(tokenizer, text: str, chat_template: bool = True) -> list[int]:
+    """The prompt's ids as inference encodes them: the chat template's user turn (non-thinking),
+    or with `chat_template=False` the raw text (BOS first where the tokenizer adds one)."""
     from ..api import encode_prompt
 
-    return encode_prompt(tokenizer, text, chat_template=True, enable_thinking=False)
+    return encode_prompt(tokenizer, text, chat_template=chat_template, enable_thinking=False)
 
 
 # -------------------------------------------------------------------------------- generation
@@ -202,10 +205,13 @@ class GenConfig:
     seed: int = 0
     answers_per_prompt: int = 1  # more answers per prompt (other seeds): more data from few prompts
     time_limit: float | None = None  # stop generating after this many seconds (answers so far are kept)
+    chat_template: bool = True  # False: prompts are raw text the target continues (a base model)
 
     def key(self) -> dict:
         k = asdict(self)
         k.pop("time_limit")
+        if k["chat_template"]:
+            k.pop("chat_template")  # the key of every run made before the switch existed
         return k
 
 
@@ -293,11 +299,12 @@ def generate_samples(
 
     from ..api import stop_token_ids
 
-    require_chat_template(tokenizer)
+    if cfg.chat_template:
+        require_chat_template(tokenizer)
     say = progress or (lambda s: print(s, file=sys.stderr, flush=True))
     encoded, dropped = [], 0
     for p in prompts:
-        ids = encode(tokenizer, p.text)
+        ids = encode(tokenizer, p.text, cfg.chat_template)
         if len(ids) > cfg.max_prompt_tokens:
             dropped += 1
             continue

@@ -24,6 +24,7 @@ def acceptance(
     max_new_tokens: int = 128,
     lookup_drafts: bool = False,
     max_prompt_tokens: int = 4096,
+    chat_template: bool = True,
     log: Callable[[str], None] | None = None,
 ) -> dict:
     """{domain: {mean_accept, rounds, prompts, tokens, decode_tps}, "_all": pooled} for `prompts`
@@ -34,7 +35,7 @@ def acceptance(
     per: dict[str, dict] = {}
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        ids = D.encode(tokenizer, p.text)
+        ids = D.encode(tokenizer, p.text, chat_template)
         d = per.setdefault(
             p.domain, {"accept_sum": 0, "rounds": 0, "prompts": 0, "tokens": 0, "decode_s": 0.0, "skipped": 0}
         )

@@ -100,7 +100,8 @@ def run_distill(
     model = model_or_demo(opts.model)
     t0 = time.perf_counter()
     target, tokenizer = load_target(model, dtype=opts.dtype)
-    D.require_chat_template(tokenizer, f"target {model}")
+    if cfg.gen.chat_template:
+        D.require_chat_template(tokenizer, f"target {model}")
     resolve_arch(cfg, target)  # --init-from is checked before any answer is generated
     if cfg.taps:
         ck.check_taps(cfg.taps, target.num_layers)
@@ -159,6 +160,8 @@ def run_distill(
         "warmup_ratio": cfg.warmup_ratio,
         "train_vocab": cfg.train_vocab,
     }
+    if not g.chat_template:
+        meta["chat_template"] = False  # raw prompts: run it with `generate --no-chat-template`
     if cfg.init_from:
         meta["init_from"] = str(cfg.init_from)
         if cfg.init_layers is not None and cfg.init_layers < cfg.layers:
@@ -180,7 +183,15 @@ def run_distill(
         from .evaluate import acceptance, format_table
 
         drafter = load_drafter(str(ship), target, bits=16)
-        res = acceptance(target, tokenizer, drafter, held, max_new_tokens=opts.eval_max_tokens, log=say)
+        res = acceptance(
+            target,
+            tokenizer,
+            drafter,
+            held,
+            max_new_tokens=opts.eval_max_tokens,
+            chat_template=g.chat_template,
+            log=say,
+        )
         summary["eval"] = res
         (out / "eval.json").write_text(
             json.dumps({"drafter": str(ship), "max_new_tokens": opts.eval_max_tokens, "result": res}, indent=1)
