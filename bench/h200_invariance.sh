@@ -18,6 +18,8 @@
 #                                                       # (profile_round.py, RP_PRECISION bf16, <= RP_LIMIT 300 s; $OUT/round-profile.md)
 #   bash bench/h200_invariance.sh prefill-shapes        # a prefill tail's first call vs the same shape again
 #                                                       # (diag_prefill_shapes.py: the prefix cache's ~100 ms floor)
+#   bash bench/h200_invariance.sh cold-diag             # a fresh process's first call per verify width, with
+#                                                       # switches (diag_cold_process.py: the cold-process gap)
 #   bash bench/h200_invariance.sh cold                  # auto vs baseline, a fresh `generate` process per run
 #                                                       # (bench_auto_cli.py --blas asis; $OUT/cold.md)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
@@ -144,8 +146,15 @@ for step in "$@"; do
       --n "${RP_N:-5}" --tokens "${RP_TOKENS:-$TOKENS}" --budget-s "${RP_BUDGET:-200}" ${RP_ARGS:-} \
       --out "$OUT/round-profile.md" > "$OUT/round-profile.log" 2>&1 || tail -20 "$OUT/round-profile.log"
     cat "$OUT/round-profile.md"; el ;;
-  prefill-shapes)  # the first prefill chunk of a new (width, key length) against the same shape again ($OUT/prefill-shapes.md)
-    python3 bench/diag_prefill_shapes.py --precision "${PS_PRECISION:-bf16}" --out "$OUT/prefill-shapes.md" 2>&1 | tail -12; el ;;
+  prefill-shapes)  # the first prefill chunk of a new (width, key length) against the same shape again ($OUT/prefill-shapes.md),
+    # as MLX runs it and with its cuDNN attention off (MLX_CUDA_USE_CUDNN_SDPA=0: no graph built per shape)
+    python3 bench/diag_prefill_shapes.py --precision "${PS_PRECISION:-bf16}" --out "$OUT/prefill-shapes.md" 2>&1 | tail -12; el
+    echo "(MLX_CUDA_USE_CUDNN_SDPA=0)" >> "$OUT/prefill-shapes.md"
+    MLX_CUDA_USE_CUDNN_SDPA=0 python3 bench/diag_prefill_shapes.py --precision "${PS_PRECISION:-bf16}" \
+      --out "$OUT/prefill-shapes.md" 2>&1 | tail -8; el ;;
+  cold-diag)  # what a fresh process pays per verify width, and which switch removes it ($OUT/cold-diag.md)
+    timeout "${COLD_DIAG_LIMIT:-400}" python3 bench/diag_cold_process.py --precision "${PS_PRECISION:-bf16}" \
+      --variants "${COLD_VARIANTS:-default,default,nographs,nocompile,nocudnn,buckets}" --out "$OUT/cold-diag.md" 2>&1 | tail -12; el ;;
   cold)  # issue 20's never-slower bar as a CLI user gets it: a fresh `mlx-dspark generate` process per run
     timeout "${COLD_LIMIT:-500}" python3 bench/bench_auto_cli.py --blas asis --classes "${COLD_CLASSES:-chat,code,math,copy}" \
       --reps "${COLD_REPS:-3}" --max-new-tokens "${COLD_TOKENS:-$TOKENS}" --out "$OUT/cold.md" 2>&1 | tail -30; el ;;

@@ -64,6 +64,31 @@ def test_rows_of_the_compiled_forward_are_width_invariant(path, dtype, monkeypat
     assert target.compiled_decode.traces - before <= 8
 
 
+def test_the_traced_widths_can_be_set_for_measurements(path, monkeypatch):
+    """MLX_DSPARK_BUCKETS replaces the traced widths (fewer traces); rows stay those of the
+    one-token steps; a list that does not start at 1 is refused with what to write."""
+    from mlx_dspark.errors import UserError
+
+    monkeypatch.setenv("MLX_DSPARK_BUCKETS", "1,8,17")
+    assert [compiled_decode.bucket(w) for w in (1, 2, 8, 9, 17, 18, 40)] == [1, 8, 8, 17, 17, 32, 48]
+    target, _ = load(path, "float32", "on", monkeypatch)
+    vocab = target.vocab_size
+    tokens = mx.array([[(7 * i + 2) % vocab for i in range(30)]], dtype=mx.int32)
+    cache = target.make_cache()
+    mx.eval(target.forward(tokens[:, :20], cache, last_only=True).logits)
+    rows = target.forward(tokens[:, 20:25], cache).logits
+    mx.eval(rows)
+    # The load's probe traced widths 1 and 2, i.e. 1 and 8: width 5 ran on the width-8 trace.
+    assert target.compiled_decode.traces == 2
+    target.trim(cache, 5)
+    for i in range(5):
+        one = target.forward(tokens[:, 20 + i : 21 + i], cache).logits
+        assert mx.array_equal(rows[:, i], one[:, 0]).item(), i
+    monkeypatch.setenv("MLX_DSPARK_BUCKETS", "2,8")
+    with pytest.raises(UserError, match="starting at 1"):
+        compiled_decode.bucket(3)
+
+
 def test_modes_equal_baseline_in_ids_and_text(path, monkeypatch):
     target, tok = load(path, "bfloat16", "on", monkeypatch)
     prompt = "repeat: the fox the fox the fox def add(a, b) return a + b"

@@ -23,6 +23,7 @@ step on an empty cache, the batch engine's rows) runs op by op, the same in ever
 engine measures its rows against solo forwards before it batches (decode/batch.py `check`).
 
 MLX_DSPARK_COMPILE=auto (default: on where the linear layers run the GPU kernels) | on | off.
+MLX_DSPARK_BUCKETS=1,8,17,33 (for measurements): the traced widths instead of BUCKETS.
 """
 
 from __future__ import annotations
@@ -39,10 +40,34 @@ CAPACITY_STEP = 1024  # KV positions a buffer grows by (each growth re-traces th
 # time once per buffer block on our 2-core CPU) for a few rows more in a round (on the H200 a
 # compiled verify forward costs about the same from w = 2 to 16: bench/results/invariance-h200.md).
 BUCKETS = (1, 2, 3, 4, 6, 8, 12, 17, 24, 33)
+_env_buckets: dict = {}
+
+
+def buckets() -> tuple[int, ...]:
+    """BUCKETS, or the widths MLX_DSPARK_BUCKETS lists (a measurement knob: each traced width
+    costs a fresh process its first-use compile once; bench/diag_cold_process.py)."""
+    raw = os.environ.get("MLX_DSPARK_BUCKETS", "").strip()
+    if not raw:
+        return BUCKETS
+    got = _env_buckets.get(raw)
+    if got is None:
+        from ..errors import UserError
+
+        try:
+            got = tuple(sorted({int(x) for x in raw.split(",") if x.strip()}))
+        except ValueError:
+            got = ()
+        if not got or got[0] != 1:
+            raise UserError(
+                f"MLX_DSPARK_BUCKETS={raw!r}: give comma-separated widths starting at 1 (e.g. 1,8,17,33), "
+                "or unset it for the default"
+            )
+        _env_buckets[raw] = got
+    return got
 
 
 def bucket(w: int) -> int:
-    for b in BUCKETS:
+    for b in buckets():
         if b >= w:
             return b
     return -(-w // 16) * 16
