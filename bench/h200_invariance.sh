@@ -24,6 +24,7 @@
 #                                                       # (bench_auto_cli.py --blas asis; $OUT/cold.md)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
+#   bash bench/h200_invariance.sh lone                  # the lone request, each engine in its own process (bench_lone.py)
 #   PAR_STEPS="identity-par ftests" bash bench/h200_invariance.sh par   # steps at once, logs in $OUT/par-STEP.log
 #   bash bench/h200_invariance.sh families              # MoE expert + masked attention + hybrid GPU tests, then every
 #                                                       # mode vs baseline per family fixture, bf16, <= ~6 min ($OUT/families.md);
@@ -165,6 +166,9 @@ for step in "$@"; do
       --out "$OUT/batch-h200.md" 2>&1 | tail -30; el
     python3 bench/bench_prefix_cache.py --dtype "${BATCH_DTYPE:-bfloat16}" --rounds 2 --budget-s "${PREFIX_BUDGET:-65}" \
       --prompts "$C/eval" --out "$OUT/batch-h200.md" 2>&1 | tail -8; el ;;
+  lone)  # the lone request: each engine in a process of its own (bench_lone.py; $OUT/lone.md)
+    timeout "${LONE_LIMIT:-400}" python3 bench/bench_lone.py --dtype "${BATCH_DTYPE:-bfloat16}" \
+      --procs "${LONE_PROCS:-2}" --repeat 3 --out "$OUT/lone.md" 2>&1 | tail -10; el ;;
   gemma270m)
     timeout "${GEMMA_LIMIT:-400}" python3 bench/bench_sliding_real.py --gpu --dtype bfloat16 --gguf "$GEMMA" \
       --prompt-tokens 480 --new-tokens 80 2>&1 | tee "$OUT/gemma270m.txt" | tail -8

@@ -1,0 +1,122 @@
+"""A lone request on the batching engine against the serial engine, each in a process of its own.
+
+  python bench/bench_lone.py [--model M] [--dtype float32] [--modes baseline,dspark] [--tokens 128]
+                             [--procs 2] [--repeat 3] [--max-batch 4] [--out FILE.md]
+
+Why: issue 18's bar "a lone request is no slower than today's serial path (>= 0.98x)". Inside
+bench_batch.py both engines share one process and one target, and there the engine created second
+read 0.90x on the CPU even when both ran the identical serial code (batch-cpu.md), while the same
+engines in a small script read 1.00x. Here every process loads the target, builds ONE engine
+(`--max-batch 1`: the serial path, or `--max-batch N`: the batching engine), warms it up (the same
+request, untimed) and times the lone request `--repeat` times. The processes alternate
+serial / batched, `--procs` of each; a side's figure is its best wall time over all its runs, and
+the ratio is serial best / batched best (>= 0.98 is the bar). The answers of both engines must be
+the same tokens and text.
+On Linux CPU preload OpenBLAS (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+PROMPT = "Write an essay on why sleep matters for health, with practical advice."
+
+
+def child(a) -> None:
+    import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+
+    from mlx_dspark.api import drafter_for, encode_prompt
+    from mlx_dspark.benchmark import load_bench_target
+    from mlx_dspark.serve.engine import Engine, GenRequest
+
+    _, target, tok = load_bench_target(a.model, a.dtype)
+    drafter = drafter_for(target, a.mode) if a.mode in ("dspark", "dflash") else None
+    eng = Engine(target, tok, mode=a.mode, drafter=drafter, max_batch=a.max_batch, max_queue=8)
+    eng.start()
+    eng.warmup()
+    ids = encode_prompt(tok, PROMPT)
+
+    def once():
+        t = time.perf_counter()
+        job = eng.submit(GenRequest(prompt_ids=ids, max_tokens=a.tokens))
+        while True:
+            ev = job.next_event(1.0)
+            if ev is not None and ev[0] in ("done", "error", "cancelled"):
+                if ev[0] != "done":
+                    raise RuntimeError(f"request failed: {ev}")
+                return time.perf_counter() - t, job.outcome.result
+
+    once()  # untimed: first-use costs of this request's shapes
+    runs = [once() for _ in range(a.repeat)]
+    eng.stop()
+    r = runs[0][1]
+    print(json.dumps({"walls": [w for w, _ in runs], "tokens": list(r.tokens), "text": r.text}))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model")
+    ap.add_argument("--dtype")
+    ap.add_argument("--modes", default="baseline,dspark")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--procs", type=int, default=2, help="processes per engine and mode")
+    ap.add_argument("--repeat", type=int, default=3, help="timed lone requests per process")
+    ap.add_argument("--max-batch", type=int, default=4, help="the batching engine's --max-batch")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        child(a)
+        return 0
+    common = ["--tokens", str(a.tokens), "--repeat", str(a.repeat)]
+    common += ["--model", a.model] if a.model else []
+    common += ["--dtype", a.dtype] if a.dtype else []
+    lines = [
+        f"## bench_lone: a lone request, each engine in its own process ({a.dtype or 'default dtype'})",
+        f"`python bench/bench_lone.py {' '.join(sys.argv[1:])}` at {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        "| mode | serial best s | batched best s | batched / serial speed | runs each | same tokens and text |",
+        "|---|---|---|---|---|---|",
+    ]
+    bad = 0
+    for mode in a.modes.split(","):
+        walls: dict = {1: [], a.max_batch: []}
+        answers = []
+        for k in range(2 * a.procs):
+            mb = (1, a.max_batch)[k % 2] if (k // 2) % 2 == 0 else (a.max_batch, 1)[k % 2]  # S B B S S B ...
+            p = subprocess.run(
+                [sys.executable, __file__, "--child", "--mode", mode, "--max-batch", str(mb), *common],
+                capture_output=True,
+                text=True,
+                timeout=a.timeout,
+                env=dict(os.environ),
+            )
+            try:
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                print(p.stderr[-2000:], file=sys.stderr)
+                return 2
+            walls[mb] += r["walls"]
+            answers.append((r["tokens"], r["text"]))
+            print(f"  {mode} max_batch={mb}: {min(r['walls']):.3f} s best", file=sys.stderr, flush=True)
+        same = all(x == answers[0] for x in answers)
+        bad += not same
+        s, b = min(walls[1]), min(walls[a.max_batch])
+        lines.append(f"| {mode} | {s:.3f} | {b:.3f} | **{s / b:.3f}x** | {len(walls[1])} | {'yes' if same else 'NO'} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(text + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
