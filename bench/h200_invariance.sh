@@ -155,7 +155,10 @@ for step in "$@"; do
       --out "$OUT/prefill-shapes.md" 2>&1 | tail -8; el ;;
   cold-diag)  # what a fresh process pays per verify width, and which switch removes it ($OUT/cold-diag.md)
     timeout "${COLD_DIAG_LIMIT:-400}" python3 bench/diag_cold_process.py --precision "${PS_PRECISION:-bf16}" \
-      --variants "${COLD_VARIANTS:-default,default,nographs,nocompile,nocudnn,buckets}" --out "$OUT/cold-diag.md" 2>&1 | tail -12; el ;;
+      --variants "${COLD_VARIANTS:-default,default,nographs,nocompile,nocudnn,buckets}" --out "$OUT/cold-diag.md" 2>&1 | tail -12
+    # does MLX keep its NVRTC output between processes here? (its PTX cache: /tmp/mlx/<version>/ptx)
+    { echo; echo "MLX's PTX cache after the runs:"; du -sh /tmp/mlx/*/ptx 2>&1; ls /tmp/mlx/*/ptx 2>/dev/null | wc -l; } \
+      | tee -a "$OUT/cold-diag.md"; el ;;
   cold)  # issue 20's never-slower bar as a CLI user gets it: a fresh `mlx-dspark generate` process per run
     timeout "${COLD_LIMIT:-500}" python3 bench/bench_auto_cli.py --blas asis --classes "${COLD_CLASSES:-chat,code,math,copy}" \
       --reps "${COLD_REPS:-3}" --max-new-tokens "${COLD_TOKENS:-$TOKENS}" --out "$OUT/cold.md" 2>&1 | tail -30; el ;;
