@@ -155,11 +155,7 @@ def main() -> int:
         lines.append(f"| {dom} | {len(rs)} | {d['baseline_tps']:.1f} | {cells[0]} | {cells[1]} |")
     lines += ["", f"- same tokens and text as plain decoding: {'yes, every run' if not mismatches else 'NO'}"]
     lines += [f"  - mismatch: {m}" for m in mismatches]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text + "\n")
+    bm.emit("\n".join(lines) + "\n", a.out)
     if a.json:
         Path(a.json).write_text(
             json.dumps({"device": bm.device_stamp(), "best": best, "domains": per_dom, "rows": rows}, indent=1)

@@ -110,11 +110,11 @@ def main() -> int:
         bad += not same
         s, b = min(walls[1]), min(walls[a.max_batch])
         lines.append(f"| {mode} | {s:.3f} | {b:.3f} | **{s / b:.3f}x** | {len(walls[1])} | {'yes' if same else 'NO'} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text + "\n")
+    import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+
+    from mlx_dspark import benchmark as bm
+
+    bm.emit("\n".join(lines) + "\n", a.out)
     return 1 if bad else 0
 
 

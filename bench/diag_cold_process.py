@@ -120,11 +120,11 @@ def main() -> int:
             f"| {r['prefill_s']:.2f} | {cells} |"
         )
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text + "\n")
+    import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+
+    from mlx_dspark import benchmark as bm
+
+    bm.emit("\n".join(lines) + "\n", a.out)
     return 0
 
 
