@@ -58,8 +58,7 @@ el() { echo "[$(( $(date +%s) - T0 )) s]"; }
 for step in "$@"; do
   case $step in
   setup)
-    python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import mlx.core" 2>/dev/null || \
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$C"/wheels/*.whl
+    source "$(dirname "$0")/h200_wheels.sh"
     python3 -c "import mlx.core as mx, mlx_lm; print('MLX', mx.__version__, mx.default_device(), 'mlx-lm', mlx_lm.__version__)"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     el ;;

@@ -13,8 +13,7 @@ set -uo pipefail
 C=${C:-/var/tmp/carry/inv/files}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import mlx.core" 2>/dev/null ||
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$C"/wheels/*.whl
+source "$(dirname "$0")/h200_wheels.sh"
 export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1 MLX_DSPARK_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 bench/bench_peer.py --model "$C/SmolLM2-135M-Instruct.Q4_1.gguf" --eval-dir "$C/eval" ${PEER_WHEELS:+--peer-wheels "$PEER_WHEELS"} \
   ${NO_PEER:+--no-peer} ${OURS_BITS:+--ours-bits "$OURS_BITS"} --n "${N:-3}" --tokens "${TOKENS:-192}" --trials "${TRIALS:-2}" --budget-s "${BUDGET:-440}" \

@@ -114,8 +114,7 @@ INIT=${INIT-"--init-from python/mlx_dspark/assets/dspark-smollm2-135m-instruct"}
 for step in "$@"; do
   case $step in
   setup)
-    python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import mlx.core" 2>/dev/null || \
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$C"/wheels/*.whl
+    source "$(dirname "$0")/h200_wheels.sh"
     mkdir -p $P && tar -xzf "$C/prompts.tar.gz" -C $P
     python3 -c "import mlx.core as mx, mlx_lm; print('MLX', mx.__version__, mx.default_device(), 'mlx-lm', mlx_lm.__version__)"
     ;;
