@@ -27,8 +27,9 @@
 #   eval/                            shared/data/prompts/eval (844 KB)
 #   train/                           shared/data/prompts/train: arena-hard-v2, gsm8k, lbpp, livecodebench
 #                                    (3.4 MB as is; 1.1 MB as train.tar.gz: either is read)
-# The steps are bench/h200_distill_lib.sh's. CPU rehearsal (tiny): C=DIR DTYPE=float32 BUDGET=120 MAX_PROMPTS=8 ANSWER_TOKENS=32 SAMPLES=1 \
-#   INIT= LAYERS=1 TRAIN="--batch-size 2 --anchors 8" bash bench/h200_distill_dflash.sh run  (INIT= : a random init)
+# The steps are bench/h200_distill_lib.sh's. CPU rehearsal (tiny; INIT= for a random init):
+#   C=DIR DTYPE=float32 BUDGET=150 MAX_PROMPTS=4 ANSWER_TOKENS=16 SAMPLES=1 EVAL_TOKENS=16 GEN_BATCH=4 ANSWERS=1 \
+#   TRAIN="--batch-size 2 --anchors 4 --train-vocab auto" bash bench/h200_distill_dflash.sh run
 set -uo pipefail
 C=${C:-/var/tmp/carry/distill/files}
 OUT=${OUT:-/tmp/out}
