@@ -46,10 +46,9 @@ def _geomean(xs) -> float:
 def prompts_by_domain(eval_dir: Path, n: int) -> dict[str, list[str]]:
     out = {}
     for dom, files in DOMAINS.items():
-        ps = []
-        for f in files:
-            ps += [p.text for p in D.subsample(D.read_prompt_file(eval_dir / f"{f}.jsonl"), n, 0)]
-        out[dom] = ps[: max(n, len(files))]
+        each = -(-n // len(files))  # n prompts per domain, taken in turn from its eval files
+        per_file = [[p.text for p in D.subsample(D.read_prompt_file(eval_dir / f"{f}.jsonl"), each, 0)] for f in files]
+        out[dom] = [p for group in zip(*per_file) for p in group][:n]
     out["copy"] = list(bm.PROMPT_SETS["copy"])
     return out
 
@@ -62,7 +61,7 @@ def main() -> int:
     ap.add_argument("--dflash", help="DFlash drafter (default: the target's registered one)")
     ap.add_argument("--bits", default="auto", help="drafter bits: 4, 8, 16 or auto")
     ap.add_argument("--eval-dir", default=str(EVAL_DIR))
-    ap.add_argument("--prompts", type=int, default=2, help="prompts per domain (code: per eval file)")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per domain (code: humaneval and mbpp in turn)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--dspark-caps", default="3,5,0")
