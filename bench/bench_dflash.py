@@ -2,13 +2,16 @@
 
   python bench/bench_dflash.py --drafter DIR [--model M] [--dtype float32] [--samples 10]
                                [--domains humaneval mbpp mt-bench] [--out FILE.md] [--json FILE]
-                               [--register]
+                               [--register] [--raw-code]
 
 Every prompt is decoded twice by the one verify loop: plain greedy (baseline) and with the drafter
 (its full block, drafter drafts only: no lookup drafts), and the two must agree in tokens AND
 text (counted; any mismatch is listed and makes the exit status 1). Acceptance length per round
 = accepted drafts + 1, pooled over every round of a domain (DeepSpec's accept_len). Bars of the
 DFlash issue: >= 2.5 humaneval / mbpp, >= 2.0 mt-bench (greedy, CPU float32, full block).
+A DSpark drafter named with --drafter is measured the same way (its full block, no lookup drafts);
+--raw-code feeds each prompt as raw code (its fenced code block, else comment lines) with no chat
+template, for a base model such as Gemma 3 270M (bars >= 2.5 on humaneval and mbpp).
 
 --register writes the drafter's pair.json (models/registry.py: write_pair_file) with the figures
 measured here and this command line, so that `mlx-dspark models` shows them once the folder is
@@ -35,15 +38,18 @@ from mlx_dspark.train import data as D  # noqa: E402
 
 EVAL_DIR = ROOT.parent / "shared" / "data" / "prompts" / "eval"
 BARS = {"humaneval": 2.5, "mbpp": 2.5, "mt-bench": 2.0}
+RAW_CODE_BARS = {"humaneval": 2.5, "mbpp": 2.5}  # issue 22's Gemma 3 270M (a base model) pair
 
 
-def measure(target, tok, drafter, prompts, max_new_tokens: int, deadline: float | None = None) -> dict:
+def measure(
+    target, tok, drafter, prompts, max_new_tokens: int, deadline: float | None = None, chat_template: bool = True
+) -> dict:
     """{domain: {mean_accept, rounds, prompts, tokens, lossless, mismatches}, '_all': pooled}."""
     per: dict = {}
     for p in prompts:
         if deadline is not None and time.time() > deadline:
             break
-        ids = D.encode(tok, p.text)
+        ids = D.encode(tok, p.text, chat_template)
         base = generate(target, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=max_new_tokens)
         res = generate(
             target,
@@ -102,22 +108,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="append a markdown record here")
     ap.add_argument("--json", help="write all figures here")
     ap.add_argument("--register", action="store_true", help="write the drafter's pair.json with these figures")
+    ap.add_argument(
+        "--raw-code",
+        action="store_true",
+        help="each prompt as raw code (train/data.py raw_code), no chat template: a base model's code drafter; "
+        "bars >= 2.5 on humaneval and mbpp",
+    )
     args = ap.parse_args(argv)
     t0 = time.time()
     bits = None if args.bits == "auto" else int(args.bits)
     model, target, tok = bm.load_bench_target(args.model, args.dtype)
-    drafter = resolve_drafter(target, mode="dflash", drafter=args.drafter, bits=bits, draft_vocab=args.draft_vocab)
+    # a named drafter of either kind (a DSpark drafter drafts its block the same way); else the registered DFlash
+    mode = "auto" if args.drafter else "dflash"
+    drafter = resolve_drafter(target, mode=mode, drafter=args.drafter, bits=bits, draft_vocab=args.draft_vocab)
     info = drafter.describe()
     prompts = []
     for dom in args.domains:
         prompts += D.subsample(D.read_prompt_file(Path(args.eval_dir) / f"{dom}.jsonl"), args.samples, 0)
+    if args.raw_code:
+        prompts = D.as_raw_code(prompts)
     res = measure(
-        target, tok, drafter, prompts, args.max_new_tokens, deadline=t0 + args.seconds if args.seconds else None
+        target,
+        tok,
+        drafter,
+        prompts,
+        args.max_new_tokens,
+        deadline=t0 + args.seconds if args.seconds else None,
+        chat_template=not args.raw_code,
     )
     device = bm.device_stamp()
     cmd = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
     lines = [
-        f"## DFlash drafter on eval prompts: {Path(model).name} ({args.dtype or 'default dtype'}), {device}",
+        f"## {'DFlash' if drafter.kind == 'dflash' else 'DSpark'} drafter on eval prompts"
+        f"{' as raw code' if args.raw_code else ''}: {Path(model).name} ({args.dtype or 'default dtype'}), {device}",
         f"`{cmd}` at {time.strftime('%Y-%m-%d %H:%M')}",
         "",
         f"drafter {drafter.source} ({info['packaging']}): {info['layers']} layers, "
@@ -133,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         acc, ok = f"{r['mean_accept']:.3f}", f"{r['lossless']}/{r['prompts']}"
         lines.append(f"| {name} | {r['prompts']} | {r['rounds']} | {acc} | {ok} |")
     lines.append("")
-    for dom, bar in BARS.items():
+    for dom, bar in (RAW_CODE_BARS if args.raw_code else BARS).items():
         if dom in res:
             ok = res[dom]["mean_accept"] >= bar
             lines.append(f"- {dom}: {res[dom]['mean_accept']:.2f} (bar >= {bar}): {'met' if ok else 'NOT met'}")
@@ -150,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
 
         first = device.split(";")[0]
         label = ("CPU" if "cpu" in first.lower() else first) + " " + str(target_dtype(target)).split(".")[-1]
-        f = write_pair_file(Path(drafter.source), target, measured=summary(res, label), reproduce=cmd)
+        measured = summary(res, label) + ("; prompts as raw code (no chat template)" if args.raw_code else "")
+        f = write_pair_file(Path(drafter.source), target, measured=measured, reproduce=cmd)
         print(f"registered: {f}")
     return 1 if bad else 0
 

@@ -17,7 +17,7 @@
 #      per domain, greedy, full block, drafts only), every prompt checked against plain greedy
 #      (tokens and text), until the budget is spent; --register writes $OUT/drafter/pair.json.
 # $OUT gets 8 files (what comes back from a device call): drafter/ (config.json, draft_vocab.json,
-# pair.json; model.safetensors split into 15 MB parts + its sha256: `cat model.safetensors.part* >
+# pair.json; model.safetensors split into 16.7 MB parts + its sha256: `cat model.safetensors.part* >
 # model.safetensors`), report.md (with the distill log lines, train_log.jsonl's ends, timings) and
 # accept.json.
 #

