@@ -244,6 +244,28 @@ def test_a_terminated_run_saves_its_state_and_resumes_to_the_same_weights(tiny, 
     assert steps == list(range(6, 10))
     _assert_same_trained_weights(tmp_path / "full", tmp_path / "cut")
 
+    # A SIGTERM while the last checkpoint is being written waits for it: the drafter is there (a
+    # subprocess: without that, the signal's default action would end this test run).
+    script = (
+        "import os, signal, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import mlx_dspark.train.checkpoint as ck\n"
+        "from test_distill import _small_run\n"
+        "from mlx_dspark.train.pipeline import run_distill\n"
+        "real = ck.save_drafter\n"
+        "def save(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(*a, **k)\n"
+        "ck.save_drafter = save\n"
+        f"run_distill(_small_run(sys.argv[1], sys.argv[2], steps=3, save_every=0, prompts=2, answer_tokens=8), "
+        "log=lambda s: None)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", script, str(tiny), str(tmp_path / "last")], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert (tmp_path / "last" / "model.safetensors").is_file() and (tmp_path / "last" / "config.json").is_file()
+
 
 def test_init_from_starts_from_a_drafter_and_keeps_its_architecture(tiny, tmp_path):
     """--init-from: the compact export of one run is the exact starting point of the next (its

@@ -565,8 +565,8 @@ def train(
                     prog.total = total
             if cfg.save_every and step % cfg.save_every == 0 and step < total:
                 checkpoint()
-    prog.close()
-    checkpoint()
+        prog.close()
+        checkpoint()  # still under StopRequest: a SIGTERM now (a job's time limit) waits for the drafter
     if stop.requested and step < total:
         raise UserError(
             f"stopped at step {step}/{total}; the state is saved in {out}: run the same "
