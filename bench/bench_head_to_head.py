@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -36,11 +35,6 @@ from mlx_dspark.train import data as D  # noqa: E402
 
 EVAL_DIR = ROOT.parent / "shared" / "data" / "prompts" / "eval"
 DOMAINS = {"chat": ["mt-bench"], "code": ["humaneval", "mbpp"], "maths": ["math500"]}
-
-
-def _geomean(xs) -> float:
-    xs = list(xs)
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def prompts_by_domain(eval_dir: Path, n: int) -> dict[str, list[str]]:
@@ -122,7 +116,7 @@ def main() -> int:
             print(f"  {dom}: {text[:40]!r} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
 
     def ratio(side, rs):
-        return _geomean(r["tps"][side] / r["tps"]["baseline"] for r in rs)
+        return bm._geomean([r["tps"][side] / r["tps"]["baseline"] for r in rs])
 
     best = {k: max((f"{k}@{c}" for c in caps[k]), key=lambda s: ratio(s, rows)) for k in drafters}
     lines = [
@@ -141,11 +135,11 @@ def main() -> int:
     per_dom = {}
     for dom in sets:
         rs = [r for r in rows if r["domain"] == dom]
-        d = {"prompts": len(rs), "baseline_tps": _geomean(r["tps"]["baseline"] for r in rs)}
+        d = {"prompts": len(rs), "baseline_tps": bm._geomean([r["tps"]["baseline"] for r in rs])}
         for k, s in best.items():
             d[k] = {
                 "cap": int(s.split("@")[1]),
-                "tps": _geomean(r["tps"][s] for r in rs),
+                "tps": bm._geomean([r["tps"][s] for r in rs]),
                 "accept": statistics.mean(r["accept"][s] for r in rs),
                 "x": ratio(s, rs),
             }

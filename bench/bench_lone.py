@@ -29,10 +29,11 @@ PROMPT = "Write an essay on why sleep matters for health, with practical advice.
 
 def child(a) -> None:
     import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+    from bench_batch import _run  # submit, wait for delivery: the same request path bench_batch times
 
     from mlx_dspark.api import drafter_for, encode_prompt
     from mlx_dspark.benchmark import load_bench_target
-    from mlx_dspark.serve.engine import Engine, GenRequest
+    from mlx_dspark.serve.engine import Engine
 
     _, target, tok = load_bench_target(a.model, a.dtype)
     drafter = drafter_for(target, a.mode) if a.mode in ("dspark", "dflash") else None
@@ -42,14 +43,8 @@ def child(a) -> None:
     ids = encode_prompt(tok, PROMPT)
 
     def once():
-        t = time.perf_counter()
-        job = eng.submit(GenRequest(prompt_ids=ids, max_tokens=a.tokens))
-        while True:
-            ev = job.next_event(1.0)
-            if ev is not None and ev[0] in ("done", "error", "cancelled"):
-                if ev[0] != "done":
-                    raise RuntimeError(f"request failed: {ev}")
-                return time.perf_counter() - t, job.outcome.result
+        wall, _, jobs = _run(eng, [ids], a.tokens)
+        return wall, jobs[0].outcome.result
 
     once()  # untimed: first-use costs of this request's shapes
     runs = [once() for _ in range(a.repeat)]
