@@ -282,3 +282,59 @@ def test_a_process_that_decoded_in_a_thread_exits_cleanly(path, tmp_path):
         p = subprocess.run([sys.executable, str(script), path], env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0 and "terminate called" not in p.stderr, (p.returncode, p.stderr[-2000:])
         assert p.stdout.strip() == "24"
+
+
+@pytest.mark.parametrize("mode", ["baseline", "lookup", "dspark"])
+def test_batched_rows_run_one_compiled_graph_and_equal_solo_runs(mode, monkeypatch):
+    """The batch engine's rows (decode/batch.step_rows) run as one traced graph of all rows where
+    every row's cache is a compiled buffer, and the drafter's rows as one compiled pass: each row's
+    ids, text and accepted lengths equal its solo run on the compiled path, with rows joining
+    mid-flight at other positions and widths."""
+    from drafter_fixtures import workspace
+
+    from mlx_dspark.api import start
+    from mlx_dspark.decode import batch
+    from mlx_dspark.models.drafters import load_drafter
+
+    ws = workspace()
+    target, tok = load(str(ws["target_qwen3"]), "float32", "on", monkeypatch)
+    compiled = target.compiled_decode
+    assert compiled is not None
+    assert batch.check(target, 4, 17) is None  # the load's measurement: batched rows equal solo steps
+    drafter = load_drafter(str(ws["dspark_qwen3"]), target, bits=16) if mode == "dspark" else None
+    vocab = target.vocab_size
+    prompts = [[(7 * i + 11 * r + 3) % vocab for i in range(9 + 13 * r)] for r in range(4)]
+    budgets, join_at = [30, 12, 25, 18], [0, 0, 2, 5]
+    solo = [
+        md.generate(target, tok, None, prompt_ids=p, mode=mode, drafter=drafter, max_new_tokens=n)
+        for p, n in zip(prompts, budgets)
+    ]
+    calls, draft_calls = [], []
+    real = compiled.rows
+    monkeypatch.setattr(compiled, "rows", lambda feeds, taps: calls.append(len(feeds)) or real(feeds, taps))
+    if drafter is not None:
+        from mlx_dspark.models import compiled_draft
+
+        passes = compiled_draft.for_drafter(drafter)
+        real_draft = passes.rows
+        monkeypatch.setattr(passes, "rows", lambda a, *r: draft_calls.append(len(a)) or real_draft(a, *r))
+    runs, step = {}, 0
+    while len(runs) < len(prompts) or any(not r.generation.done for r in runs.values()):
+        for i, at in enumerate(join_at):
+            if at == step:
+                runs[i] = start(
+                    target, tok, None, prompt_ids=prompts[i], mode=mode, drafter=drafter, max_new_tokens=budgets[i]
+                )
+                runs[i].generation.step()  # the prefill, alone
+        live = [r.generation for r in runs.values() if not r.generation.done]
+        if live:
+            batch.step_rows(live)
+        step += 1
+        assert step < 1000
+    assert calls and max(calls) >= 3  # three rows or more shared one compiled step
+    if drafter is not None:  # and the drafter's rows shared its compiled pass
+        assert draft_calls and max(draft_calls) >= 2
+    for i, s in enumerate(solo):
+        got = runs[i].result()
+        assert (got.tokens, got.text, got.finish_reason) == (s.tokens, s.text, s.finish_reason)
+        assert got.accept_lengths == s.accept_lengths

@@ -24,6 +24,10 @@ Why a row computes exactly what it computes alone:
     so it is measured, not assumed: `check(target)` compares batched rows with solo forwards
     bitwise once per target (as the width-invariance check does), and a target that fails it
     does not batch (`refusal`).
+
+Where the target's decode steps are compiled graphs (models/compiled_decode.py: the GPU) and every
+row's cache is one of their buffers, the rows run as one such graph instead (`CompiledDecode.rows`),
+and drafter rows as one compiled pass; the check then measures that graph.
 """
 
 from __future__ import annotations
@@ -129,6 +133,18 @@ def forward_rows(target: Target, rows: Sequence[tuple[list, Feed]]) -> list[Forw
     if len(rows) == 1:
         cache, f = rows[0]
         return [target.forward(f.tokens.reshape(1, -1), cache, taps=f.taps)]
+    compiled = getattr(target, "compiled_decode", None)
+    if compiled is not None and target.invariant_kernels:
+        from ..models.compiled_decode import cache_fits
+
+        feeds = [(c, f.tokens.reshape(1, -1)) for c, f in rows]
+        if all(cache_fits(c, t) for c, t in feeds):
+            taps = tuple(sorted({t for _, f in rows for t in f.taps}))
+            H = target.hidden_size
+            return [
+                ForwardOut(logits, _row_hidden(hidden, 0, f.width, taps, tuple(f.taps), H))
+                for (logits, hidden), (_, f) in zip(compiled.rows(feeds, taps), rows)
+            ]
     from ..compat import route_row_attention
 
     route_row_attention()

@@ -163,10 +163,16 @@ class DrafterProposer(Proposer):
         if isinstance(got, Draft):
             return got
         lazy = self._compiled_sample(got)
-        if lazy is not None and self.device_drafts and self.threshold <= 0:
+        if lazy is not None:
+            return self._compiled_draft(got, lazy)
+        lazy = self._sample(got, self.drafter.block_hidden(got.anchor, got.rows, self.state))
+        mx.eval(lazy[3])
+        return self._drafted(got, *lazy)
+
+    def _compiled_draft(self, got: "_DrafterPass", lazy) -> Draft:
+        """The Draft of a compiled greedy pass: left on the device where it may be, else read."""
+        if self.device_drafts and self.threshold <= 0:
             return self._drafted_on_device(got, lazy[3][0])
-        if lazy is None:
-            lazy = self._sample(got, self.drafter.block_hidden(got.anchor, got.rows, self.state))
         mx.eval(lazy[3])
         return self._drafted(got, *lazy)
 
@@ -187,7 +193,10 @@ class DrafterProposer(Proposer):
         greedy_block = getattr(self.drafter, "greedy_block", None)
         if greedy_block is None or not _lazy_argmax(got.sampling):
             return None
-        out = greedy_block(got.anchor, got.rows, self.state, self.threshold)
+        return self._greedy_lazy(got, greedy_block(got.anchor, got.rows, self.state, self.threshold))
+
+    def _greedy_lazy(self, got: "_DrafterPass", out):
+        """_sample's result shape for a compiled pass's (tokens, confidences), cut to the draft."""
         if out is None:
             return None
         k = min(got.max_draft, self.drafter.block_drafts)
@@ -213,6 +222,19 @@ class DrafterProposer(Proposer):
                 drafts[i] = p._drafted(got, *lazy)
         elif pend:
             d = pend[0][1].drafter
+            rows_pass = getattr(d, "greedy_block_rows", None)
+            thresholds = {p.threshold for _, p, _ in pend}
+            if rows_pass is not None and len(thresholds) == 1 and all(_lazy_argmax(g.sampling) for _, _, g in pend):
+                outs = rows_pass(
+                    [g.anchor for _, _, g in pend],
+                    [g.rows for _, _, g in pend],
+                    [p.state for _, p, _ in pend],
+                    thresholds.pop(),
+                )
+                if outs is not None:
+                    for (i, p, got), out in zip(pend, outs):
+                        drafts[i] = p._compiled_draft(got, p._greedy_lazy(got, out))
+                    return drafts
             hidden = d.block_hidden_rows(
                 [g.anchor for _, _, g in pend], [g.rows for _, _, g in pend], [p.state for _, p, _ in pend]
             )

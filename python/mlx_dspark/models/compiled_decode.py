@@ -19,8 +19,12 @@ Exactness: every decode forward of every width runs this one graph, so the load 
 (invariance.rows_match: plain steps, one verify block, a split block) proves the compiled path
 itself. Whether a target can be traced at all is decided at load (`probe`); a target that cannot
 keeps the op-by-op kernel path for good. A forward over a cache the graphs do not take (a first
-step on an empty cache, the batch engine's rows) runs op by op, the same in every mode; the batch
-engine measures its rows against solo forwards before it batches (decode/batch.py `check`).
+step on an empty cache) runs op by op, the same in every mode.
+
+The batch engine's rows (`rows`, decode/batch.py) run as one graph per (row count, width bucket,
+KV blocks, taps): the projections over every row's tokens at once, each row's cache written at its
+own position and attended through the same offset form as its solo step. So a row computes what
+its solo step computes (the batch engine measures that at load: decode/batch.py `check`).
 
 MLX_DSPARK_COMPILE=auto (default: on where the linear layers run the GPU kernels) | on | off.
 MLX_DSPARK_BUCKETS=1,8,17,33 (for measurements): the traced widths instead of BUCKETS.
@@ -140,12 +144,57 @@ class _BufferKV:
         return None if N == 1 else "causal"
 
 
+class _RowBuffers:
+    """What a batched trace's cache hands attention: each row's own buffer and write position.
+    compat.route_row_attention sees `row_attention` and hands the call here."""
+
+    def __init__(self, keys: list, values: list, offsets: list):
+        self.keys, self.values, self.offsets = keys, values, offsets
+
+    def row_attention(self, q: mx.array, scale: float, sdpa) -> mx.array:
+        """q [B, H, W, D]: row b's queries over row b's buffer, through the offset form a solo
+        step runs (its pad queries read only keys at or before their own positions)."""
+        from ..kernels import invariant
+
+        W = q.shape[2]
+        outs = []
+        for b, (k, v, off) in enumerate(zip(self.keys, self.values, self.offsets)):
+            invariant.expect_offset(off)
+            outs.append(sdpa(q[b : b + 1], k, v, scale=scale, mask="causal" if W > 1 else None))
+            if invariant.offset_pending():
+                raise invariant.NotInvariant("a batched row's attention did not take its buffer's position")
+        return mx.concatenate(outs, axis=0)
+
+
+class _RowsBufferKV:
+    """One layer's caches of B rows inside a batched trace: row b's whole buffer, written at its
+    own position; RoPE reads the rows' positions as one [B] array."""
+
+    def __init__(self, offsets: mx.array, keys: list, values: list):
+        self.offset = offsets
+        self._offs = [offsets[b] for b in range(offsets.shape[0])]
+        self.keys, self.values = list(keys), list(values)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        for b, off in enumerate(self._offs):
+            start = off.reshape(1)
+            self.keys[b] = mx.slice_update(self.keys[b], keys[b : b + 1].astype(self.keys[b].dtype), start, axes=(2,))
+            self.values[b] = mx.slice_update(
+                self.values[b], values[b : b + 1].astype(self.values[b].dtype), start, axes=(2,)
+            )
+        kv = _RowBuffers(self.keys, self.values, self._offs)
+        return kv, kv
+
+    make_mask = _BufferKV.make_mask
+
+
 class CompiledDecode:
     """The compiled decode forwards of one target (target.compiled_decode)."""
 
     def __init__(self, target):
         self._target = target
         self._fns: dict = {}  # taps -> mx.compile'd step
+        self._row_fns: dict = {}  # taps -> mx.compile'd step of several rows (decode/batch.py)
         self.traces = 0  # how many times a step was traced (tests, benchmarks)
 
     def _step(self, taps: tuple):
@@ -189,6 +238,72 @@ class CompiledDecode:
         if W > w:
             outs = [o[:, :w] for o in outs]
         return outs[0], (outs[1] if len(outs) > 1 else None)
+
+    def _rows_step(self, taps: tuple):
+        fn = self._row_fns.get(taps)
+        if fn is None:
+            target = self._target
+            n_layers = len(target.layers)
+
+            def step(tokens, offsets, keys, values):
+                from ..kernels import invariant
+
+                self.traces += 1
+                B = tokens.shape[0]
+                layers = [
+                    _RowsBufferKV(
+                        offsets,
+                        [keys[b * n_layers + i] for b in range(B)],
+                        [values[b * n_layers + i] for b in range(B)],
+                    )
+                    for i in range(n_layers)
+                ]
+                try:
+                    with invariant.active():
+                        out = target._forward_native(tokens, layers, taps, False)
+                    if invariant.offset_pending():
+                        raise invariant.NotInvariant("a layer wrote its cache and read no attention from it")
+                finally:
+                    invariant.take_offset()
+                outs = [out.logits] if out.hidden is None else [out.logits, out.hidden]
+                new_k = [layers[i].keys[b] for b in range(B) for i in range(n_layers)]
+                new_v = [layers[i].values[b] for b in range(B) for i in range(n_layers)]
+                return outs, new_k, new_v
+
+            fn = self._row_fns[taps] = mx.compile(step)
+        return fn
+
+    def rows(self, feeds: list, taps) -> list:
+        """One decode forward of several generations' tokens, (cache, tokens [1, w]) each, every
+        cache `cache_fits`: the rows run as one traced graph (per row count, width bucket, KV
+        blocks and taps), each row through the same ops, at its own position, as its solo step
+        (decode/batch.py checks the rows against solo steps at load). Returns each row's
+        (logits [1, w, V], hidden [1, w, T] or None)."""
+        from ..compat import route_row_attention
+
+        route_row_attention()
+        widths = [int(t.shape[1]) for _, t in feeds]
+        W = bucket(max(widths))
+        toks, offs, keys, values = [], [], [], []
+        for (cache, t), w in zip(feeds, widths):
+            t = t.reshape(1, -1).astype(mx.int32)
+            toks.append(t if W == w else mx.concatenate([t, mx.repeat(t[:, -1:], W - w, axis=1)], axis=1))
+            off = cache[0].offset
+            offs.append(off)
+            for c in cache:
+                pad_to_blocks(c, off + W)
+            keys += [c.keys for c in cache]
+            values += [c.values for c in cache]
+        outs, new_k, new_v = self._rows_step(tuple(taps))(
+            mx.concatenate(toks, axis=0), mx.array(offs, dtype=mx.int32), keys, values
+        )
+        got, n_layers = [], len(feeds[0][0])
+        for b, ((cache, _), w, off) in enumerate(zip(feeds, widths, offs)):
+            for i, c in enumerate(cache):
+                c.keys, c.values, c.offset = new_k[b * n_layers + i], new_v[b * n_layers + i], off + w
+            logits = outs[0][b : b + 1, :w]
+            got.append((logits, outs[1][b : b + 1, :w] if len(outs) > 1 else None))
+        return got
 
 
 def attach(target) -> None:

@@ -18,7 +18,8 @@ Drafts need no exactness (the target verifies every one): the graph rounds as it
 deterministic. A pass that fails to trace or run on this backend falls back, with a warning, to the
 op-by-op pass for that drafter from then on. Greedy drafting only (a plain argmax per slot);
 sampled drafts take the op-by-op path. Where it runs: where the target's decode forward is compiled
-(compiled_decode.wanted()).
+(compiled_decode.wanted()). The batch engine's rows share one pass (`rows`): the projections over
+every row's block, each row's attention over its own buffer.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class CompiledDraft:
     def __init__(self, drafter):
         self._drafter = drafter
         self._fns: dict = {}  # threshold -> mx.compile'd pass
+        self._row_fns: dict = {}  # threshold -> mx.compile'd pass of several rows (decode/batch.py)
         self.traces = 0
         self.failed: str | None = None  # why a pass could not run here: the drafter drafts op by op
 
@@ -78,6 +80,73 @@ class CompiledDraft:
 
             fn = self._fns[threshold] = mx.compile(run)
         return fn
+
+    def _rows_pass(self, threshold: float):
+        fn = self._row_fns.get(threshold)
+        if fn is None:
+            d = self._drafter
+            S, n = d.block_size, len(d.model.layers)
+            rest = mx.array([d.mask_token_id] * (S - 1), dtype=mx.int32)
+
+            def run(anchors, offsets, keys, values):
+                self.traces += 1
+                B = anchors.shape[0]
+                caches = []
+                for b in range(B):
+                    cap = keys[b * n].shape[2]
+                    pos = mx.arange(cap + S)
+                    mask = ((pos < offsets[b]) | (pos >= cap))[None, None, None, :]
+                    caches.append([_BlockKV(offsets[b], keys[b * n + i], values[b * n + i], mask) for i in range(n)])
+                ids = mx.concatenate([anchors.reshape(B, 1), mx.broadcast_to(rest, (B, S - 1))], axis=1)
+                emb = d.embed(ids.reshape(-1)).reshape(B, S, -1)
+                h = d.model.run_block_rows(emb, [None] * B, caches)[:, d.spec.logits_start :]
+                outs = []
+                for b in range(B):
+                    toks, _, conf = d.sample(h[b], anchors[b], _greedy, threshold)
+                    outs += [mx.stack(toks)] + ([conf] if conf is not None else [])
+                return outs
+
+            fn = self._row_fns[threshold] = mx.compile(run)
+        return fn
+
+    def rows(self, anchors: list, rows: list, states: list, threshold: float):
+        """__call__ for several generations in one traced pass: the projections over all rows'
+        blocks at once, each row's attention over its own context buffer. A list of (tokens,
+        confidences or None), lazy; None where a state has no buffer yet (op-by-op rows run)."""
+        for r, st in zip(rows, states):
+            if (r is None or not r.shape[0]) and any(c.keys is None for c in st):
+                return None  # nothing ingested yet: op-by-op rows, nothing touched
+        for r, st in zip(rows, states):
+            if r is not None and r.shape[0]:
+                self._drafter.ingest(r, st)
+        keys, values = [], []
+        for st in states:
+            for c in st:
+                pad_to_blocks(c)
+            keys += [c.keys for c in st]
+            values += [c.values for c in st]
+        traced = self.traces
+        try:
+            outs = self._rows_pass(float(threshold))(
+                mx.array([int(a) for a in anchors], dtype=mx.int32),
+                mx.array([st[0].offset for st in states], dtype=mx.int32),
+                keys,
+                values,
+            )
+            if self.traces != traced:
+                mx.eval(outs)
+        except (RuntimeError, ValueError, TypeError) as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"the compiled drafter pass failed here ({self.failed}); drafting op by op", stacklevel=2)
+            d = self._drafter  # the rows are in the states already
+            hidden = d.block_hidden_rows(anchors, [None] * len(anchors), states)
+            got = []
+            for b, a in enumerate(anchors):
+                toks, _, conf = d.sample(hidden[b], a, _greedy, threshold)
+                got.append((mx.stack(toks), conf))
+            return got
+        per = len(outs) // len(anchors)
+        return [(outs[b * per], outs[b * per + 1] if per > 1 else None) for b in range(len(anchors))]
 
     def __call__(self, anchor: int, rows: mx.array | None, state: list, threshold: float):
         """(tokens [block_drafts], confidences [block_drafts] or None), lazy, after ingesting

@@ -111,6 +111,14 @@ class BlockDrafter:
         compiled = compiled_draft.for_drafter(self)
         return None if compiled is None else compiled(anchor, rows, state, threshold)
 
+    def greedy_block_rows(self, anchors: list, rows: list, states: list, threshold: float = 0.0):
+        """greedy_block for several generations in one compiled pass: a list of (tokens,
+        confidences or None), lazy; None where passes are not compiled here."""
+        from . import compiled_draft
+
+        compiled = compiled_draft.for_drafter(self)
+        return None if compiled is None else compiled.rows(anchors, rows, states, threshold)
+
     def sample(self, hidden: mx.array, anchor: int, choose: Chooser, threshold: float = 0.0):
         """Draft tokens from slot states hidden [k, H]: (tokens [k] lazy, q rows or None, confidences or None).
 

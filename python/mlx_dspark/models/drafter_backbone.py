@@ -215,7 +215,8 @@ class DraftAttention(nn.Module):
             kb = rope(k[:, at : at + n].transpose(0, 2, 1, 3), offset=start)
             keys, values = caches[b].write(kb, v[:, at : at + n].transpose(0, 2, 1, 3), keep=n_ctx)
             qb = rope(q[b : b + 1], offset=start + n_ctx)
-            outs.append(mx.fast.scaled_dot_product_attention(qb, keys, values, scale=cfg.attn_scale))
+            mask = getattr(caches[b], "mask", None)  # a compiled pass's buffer (models/compiled_draft.py)
+            outs.append(mx.fast.scaled_dot_product_attention(qb, keys, values, scale=cfg.attn_scale, mask=mask))
             at += n
         out = mx.concatenate(outs, axis=0) if B > 1 else outs[0]
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
