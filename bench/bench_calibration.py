@@ -22,7 +22,7 @@ import _package  # noqa: F401  (the installed mlx_dspark, else python/)
 CHILD = """
 import json, time, argparse
 from mlx_dspark.cli.common import load_from_args
-from mlx_dspark.decode import costs, policy
+from mlx_dspark.decode import costs, modes
 from mlx_dspark.blas import active_blas
 ns = argparse.Namespace(model={model!r}, dtype=None, quantize=None, kv_bits=None, mode="auto", drafter=None,
                         drafter_bits=None, draft_vocab="auto")
@@ -32,7 +32,7 @@ for name, d in (("with drafter", drafter), ("lookup only", None)):
     t = time.perf_counter()
     c = costs.costs_for(target, d)
     out[name] = {{"s": round(time.perf_counter() - t, 3), "origin": c.origin, "summary": c.summary(),
-                 "plain_reason": policy.plain_reason(c, 32, d is not None)}}
+                 "verdict": modes.auto_verdict(c, d)}}
 print(json.dumps(out))
 """
 
@@ -57,14 +57,14 @@ def main() -> int:
         f"\n### bench_calibration.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: BLAS "
         f"{runs[0]['blas']}, LD_PRELOAD={os.environ.get('LD_PRELOAD', '-')}; {cpu_name()}, {os.cpu_count()} "
         f"cores, shared (load average {os.getloadavg()[0]:.1f})\n",
-        "| pair | first start: s | curve | second start: s (origin) | auto runs plain? |",
+        "| pair | first start: s | curve | second start: s (origin) | --mode auto runs |",
         "|---|---|---|---|---|",
     ]
     for name in ("with drafter", "lookup only"):
         f, s = runs[0][name], runs[1][name]
-        lines.append(
-            f"| {name} | {f['s']:.2f} | {f['summary']} | {s['s']:.3f} ({s['origin']}) | {f['plain_reason'] or 'no'} |"
-        )
+        runs_mode, said = f["verdict"]
+        verdict = runs_mode + (f": {said}" if said else "")
+        lines.append(f"| {name} | {f['s']:.2f} | {f['summary']} | {s['s']:.3f} ({s['origin']}) | {verdict} |")
     emit("\n".join(lines), a.out)
     return 0
 

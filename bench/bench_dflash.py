@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         first = device.split(";")[0]
         label = ("CPU" if "cpu" in first.lower() else first) + " " + str(target_dtype(target)).split(".")[-1]
         measured = summary(res, label) + ("; prompts as raw code (no chat template)" if args.raw_code else "")
-        f = write_pair_file(Path(drafter.source), target, measured=measured, reproduce=cmd)
+        accept = {d: r["mean_accept"] for d, r in res.items() if d != "_all" and r["rounds"]}
+        f = write_pair_file(Path(drafter.source), target, measured=measured, reproduce=cmd, accept=accept)
         print(f"registered: {f}")
     return 1 if bad else 0
 

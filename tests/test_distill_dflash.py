@@ -341,12 +341,16 @@ def test_a_distilled_dflash_drafter_registers_with_its_figures_and_command(train
     measured = f"CPU float32: held-out accept {acc:.2f} (4 built-in prompts per domain)"
     command = f"mlx-dspark distill --model {rule} --kind dflash --steps 250 ..."
     target, _ = load_target(str(rule))
-    registry.write_pair_file(drafter, target, measured=measured, reproduce=command, note="test fixture")
+    registry.write_pair_file(
+        drafter, target, measured=measured, reproduce=command, note="test fixture", accept={"held-out": acc}
+    )
     pair = registry.read_pair_file(drafter)
     assert (pair.target, pair.kind, pair.packaging, pair.block) == ("rule", "dflash", "zlab-dflash", 15)
+    assert pair.accept == (("held-out", round(acc, 3)),)
     assert registry.pairs_for(target, "dflash") == []  # not registered until named
     monkeypatch.setenv(registry.ENV, str(tmp_path))  # a folder of drafter folders
     assert registry.pairs_for(target, "dflash") == [pair] and registry.pairs_for(target, "dspark") == []
+    assert registry.measured_acceptance(str(drafter)) == round(acc, 3)  # what --mode auto weighs it by
 
     env = {registry.ENV: str(drafter)}
     listing = subprocess.run(
@@ -424,3 +428,4 @@ def test_bench_dflash_measures_checks_and_registers(trained, tmp_path, monkeypat
     assert pair.measured.startswith("CPU float32: accept ") and "lossless on all 3" in pair.measured
     assert f"{res['humaneval']['mean_accept']:.2f} humaneval" in pair.measured
     assert pair.reproduce.startswith("python ") and "--drafter" in pair.reproduce and pair.kind == "dflash"
+    assert dict(pair.accept) == {d: round(res[d]["mean_accept"], 3) for d in ("humaneval", "mt-bench")}

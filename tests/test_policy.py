@@ -109,6 +109,46 @@ def test_plain_reason_says_why_only_where_speculation_cannot_pay():
     assert pol.plain_reason(FLAT, 16, drafter=True) is None
 
 
+def test_slot_acceptance_inverts_tau():
+    for p, k in ((0.3, 6), (0.72, 7), (0.9, 15)):
+        assert pol.slot_acceptance(pol._Slots(p).tau(k), k) == pytest.approx(p, abs=1e-6)
+    assert pol.slot_acceptance(9.0, 7) == 1.0  # more than k + 1 tokens per round: every slot
+
+
+# A drafter pass costing ~3x a plain step, a verify curve that grows slowly: measured on a quiet
+# 2-core AMD EPYC with MLX's reference BLAS (bench/results/auto-cpu.md, fourteenth session).
+REFERENCE_BLAS = Costs(
+    [1, 2, 3, 4, 6, 8, 16, 32],
+    [0.0484, 0.0537, 0.0689, 0.0566, 0.0778, 0.0694, 0.1016, 0.1998],
+    t_draft=0.1424,
+    t_plain=0.0564,
+    origin="given",
+)
+
+
+def test_a_measured_drafter_is_judged_on_what_it_earns_not_on_the_best_case():
+    """On a marginal curve the best case (0.9 per slot) says a 7-draft drafter may pay; the
+    demo drafter's registered acceptance (3.51 at best, x1.25) says it cannot, so auto drops it
+    (for lookup): the verdict no longer flips on calibration noise. A drafter measured to earn
+    much more, or where verifies are cheap, still passes."""
+    assert pol.plain_reason(REFERENCE_BLAS, 7, drafter=True) is None
+    why = pol.plain_reason(REFERENCE_BLAS, 7, drafter=True, measured_tau=3.51)
+    assert why and "cannot pay" in why
+    assert pol.plain_reason(REFERENCE_BLAS, 7, drafter=True, measured_tau=7.5) is None
+    assert pol.plain_reason(FLAT, 7, drafter=True, measured_tau=3.51) is None
+    assert pol.plain_reason(REFERENCE_BLAS, 32, drafter=False, measured_tau=1.0) is None  # lookup: not a drafter
+
+
+def test_the_registry_records_what_the_demo_drafter_earns():
+    from mlx_dspark.models import registry
+
+    assert registry.measured_acceptance(registry.SMOLLM2_DSPARK) == 3.51
+    assert registry.measured_acceptance(registry.SMOLLM2_DSPARK + "/") == 3.51  # the same folder
+    assert registry.measured_acceptance("deepseek-ai/dspark_qwen3_4b_block7") is None  # published, unmeasured
+    row = next(r for r in registry.table() if r["drafter"] == registry.SMOLLM2_DSPARK)
+    assert row["accept"] == {"humaneval": 3.20, "mbpp": 3.51, "mt-bench": 2.32}
+
+
 def test_fixed_policy_keeps_the_lookup_parking_rules():
     p = pol.FixedPolicy()
     for i in range(pol.PARK_AFTER):

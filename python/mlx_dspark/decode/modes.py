@@ -52,7 +52,7 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
     speculation cannot pay here, replace it by plain decoding (said once). Returns (proposer, None):
     the loop's cap then comes from the proposer as for the default."""
     from . import costs as cost_curves
-    from .policy import CostPolicy, plain_reason
+    from .policy import CostPolicy
 
     if not hasattr(proposer, "use_policy"):
         return proposer, None  # baseline, or a caller's own proposer
@@ -62,19 +62,42 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
         return proposer, None  # MLX_DSPARK_CALIBRATION=off: the fixed rules
     cap = proposer.block_drafts if drafter is not None else lookup_long_draft
     if mode == "auto":
-        why = plain_reason(c, cap, drafter is not None)  # a drafter drafts at most its block
-        if why and drafter is not None and getattr(proposer, "lookup_drafts", False):
-            # lookup drafts are free: where the drafter cannot pay, lookup alone may
-            if plain_reason(c, lookup_long_draft, False) is None:
-                _say_once(
-                    f"the drafter cannot pay on this machine ({why.split('(', 1)[1].rstrip(')')}): "
-                    f"--mode auto runs lookup ({c.summary()})"
-                )
-                proposer = LookupProposer(long_draft=lookup_long_draft)
-                proposer.use_policy(CostPolicy(c, cap=lookup_long_draft))
-                return proposer, None
-        if why:
-            _say_once(f"{why}: --mode auto runs plain decoding ({c.summary()})")
+        runs, said = auto_verdict(c, drafter, getattr(proposer, "lookup_drafts", False), lookup_long_draft)
+        if said:
+            _say_once(said)
+        if runs == "lookup" and drafter is not None:
+            proposer = LookupProposer(long_draft=lookup_long_draft)
+            proposer.use_policy(CostPolicy(c, cap=lookup_long_draft))
+            return proposer, None
+        if runs == "baseline":
             return Proposer(), None
     proposer.use_policy(CostPolicy(c, cap=max(cap, lookup_long_draft)))
     return proposer, None
+
+
+def auto_verdict(c, drafter, lookup_drafts: bool = True, lookup_long_draft: int = 32) -> tuple[str, str | None]:
+    """What `--mode auto` runs on the cost curve `c`: (the drafter's kind, "lookup" or
+    "baseline"; what it says once, or None). A drafter drafts at most its block; lookup drafts are
+    free, so where the drafter cannot pay (policy.plain_reason, weighed by what the registry
+    records it earns) lookup alone may, if the drafter's proposer drafts lookup too."""
+    from .policy import plain_reason
+
+    if drafter is None:
+        why = plain_reason(c, lookup_long_draft, False)
+        return ("baseline", f"{why}: --mode auto runs plain decoding ({c.summary()})") if why else ("lookup", None)
+    why = plain_reason(c, drafter.block_drafts, True, _measured_tau(drafter))
+    if not why:
+        return drafter.kind, None
+    if lookup_drafts and plain_reason(c, lookup_long_draft, False) is None:
+        detail = why.split("(", 1)[1].rstrip(")")
+        return "lookup", f"the drafter cannot pay on this machine ({detail}): --mode auto runs lookup ({c.summary()})"
+    return "baseline", f"{why}: --mode auto runs plain decoding ({c.summary()})"
+
+
+def _measured_tau(drafter) -> float | None:
+    """What the registry records this drafter earns per round at best (None: not measured)."""
+    if drafter is None:
+        return None
+    from ..models.registry import measured_acceptance
+
+    return measured_acceptance(str(getattr(drafter, "source", "") or ""))

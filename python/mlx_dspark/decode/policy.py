@@ -25,8 +25,9 @@ CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decod
   parks: the loop takes pipelined plain steps, and a probe round every `park` tokens (doubling
   from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN when one wins) keeps p_i live.
 
-`plain_reason(costs)` says when speculation cannot pay on this machine at all, even with every
-draft accepted at the best width: auto mode then runs plain decoding and says so once.
+`plain_reason(costs)` says when speculation cannot pay on this machine at all, even with very high
+acceptance at the best width (for a drafter whose acceptance the registry records, a margin over
+what it was measured to earn): auto mode then runs lookup or plain decoding and says so once.
 The same decisions apply on any device: only the measured curve differs.
 """
 
@@ -50,11 +51,12 @@ HYBRID_MIN_DEPTH = 4
 HYBRID_PARK_AFTER = 2
 HYBRID_PARK_MIN, HYBRID_PARK_MAX = 16, 512
 # CostPolicy
-PRIOR = {"drafter": 0.6, "lookup": 0.5, "lookup-long": 0.8}
+PRIOR = {"drafter": 0.6, "lookup": 0.3, "lookup-long": 0.8}  # short lookup matches rarely continue in prose
 ALPHA = 0.25
 MARGIN = 1.03  # a round must beat plain decoding by 3% in expectation
 PROBE_MIN, PROBE_MAX = 16, 256
 BEST_CASE_P = 0.9  # plain_reason: acceptance no real drafter beats, per slot
+CEILING_MARGIN = 1.25  # plain_reason: a measured drafter may earn this much more than its best domain
 
 
 class DraftPolicy:
@@ -283,10 +285,31 @@ class CostPolicy(DraftPolicy):
         return {"policy": "cost", **self.counts, "p_drafter": [round(x, 2) for x in self.slots["drafter"].p[:8]]}
 
 
-def plain_reason(costs: Costs, cap: int, drafter: bool) -> str | None:
-    """Why no round can beat plain decoding here even with very high acceptance (BEST_CASE_P per
-    slot) at the best width, or None when speculation can pay."""
-    s = _Slots(BEST_CASE_P)
+def slot_acceptance(tau: float, k: int) -> float:
+    """The per-slot acceptance p at which k drafts commit `tau` tokens per round on average
+    (tau(k) = 1 + p + ... + p^k), by bisection; 1.0 where tau >= k + 1."""
+    if tau >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if _Slots(mid).tau(k) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def plain_reason(costs: Costs, cap: int, drafter: bool, measured_tau: float | None = None) -> str | None:
+    """Why no round can beat plain decoding here even with very high acceptance at the best
+    width, or None when speculation can pay. Very high: BEST_CASE_P per slot, or, for a drafter
+    whose acceptance was measured (`measured_tau`: its best domain's mean tokens per round at its
+    full block of `cap` drafts), CEILING_MARGIN x that, if lower: a verdict on a marginal cost
+    curve then no longer rests on acceptance the drafter never reaches."""
+    p = BEST_CASE_P
+    if drafter and measured_tau:
+        p = min(p, slot_acceptance(CEILING_MARGIN * measured_tau, max(1, cap)))
+    s = _Slots(p)
     t_d = (costs.t_draft or 0.0) if drafter else 0.0
     best = max(s.tau(k) / (t_d + costs.verify(k + 1)) for k in range(1, max(1, cap) + 1))
     gain = best * costs.plain

@@ -50,6 +50,9 @@ class Pair:
     measured: str | None = None  # our measurement (device, tok/s, accept length); None = not yet
     note: str = ""
     reproduce: str = ""  # the command that reproduces `measured`
+    # Mean tokens committed per round (greedy, full block) per eval domain, as measured: what
+    # `--mode auto` takes as the most this drafter can earn (decode/modes.py); () = not measured.
+    accept: tuple[tuple[str, float], ...] = ()
 
 
 _QWEN3 = ("qwen3",)
@@ -86,6 +89,7 @@ _OURS: tuple[Pair, ...] = (
         "python bench/bench_dspark.py --dtype float32 --skip-accept --speed-prompts 3 (speed)",
         note="the demo target's drafter (mlx-dspark distill; its README says how it "
         "was trained); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's",
+        accept=(("humaneval", 3.20), ("mbpp", 3.51), ("mt-bench", 2.32)),
     ),
 )
 _PUBLISHED: tuple[Pair, ...] = (
@@ -157,17 +161,26 @@ def read_pair_file(folder) -> Pair:
             measured=d.get("measured") or None,
             note=str(d.get("note") or ""),
             reproduce=str(d.get("reproduce") or ""),
+            accept=tuple((str(k), float(v)) for k, v in (d.get("accept") or {}).items()),
         )
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise UserError(f"registered drafter {f} is unreadable ({type(e).__name__}: {e}); fix or remove it") from None
 
 
 def write_pair_file(
-    folder, target, *, measured: str | None = None, reproduce: str = "", note: str = "", publisher: str = ""
+    folder,
+    target,
+    *,
+    measured: str | None = None,
+    reproduce: str = "",
+    note: str = "",
+    publisher: str = "",
+    accept: dict | None = None,
 ) -> Path:
     """Register the drafter in `folder` for `target` (a loaded Target): pair.json with the target's
     canonical name and shape, the drafter's kind, packaging and drafts per round (from its own
-    checkpoint), and what was measured with the command that reproduces it."""
+    checkpoint), what was measured with the command that reproduces it, and the measured mean
+    accepted length per domain (`accept`, greedy, full block)."""
     from .checkpoints import build_spec, read_config, tensor_shapes
 
     folder = Path(folder)
@@ -185,6 +198,7 @@ def write_pair_file(
         "measured": measured,
         "reproduce": reproduce,
         "note": note,
+        "accept": {str(k): round(float(v), 3) for k, v in (accept or {}).items()},
     }
     (folder / PAIR_FILE).write_text(json.dumps(d, indent=1) + "\n")
     return folder / PAIR_FILE
@@ -305,6 +319,22 @@ def pairs_for(target, kind: str | None = None) -> list[Pair]:
     ]
 
 
+def measured_acceptance(drafter_source: str) -> float | None:
+    """The best mean accepted length per round (greedy, full block, any domain) measured for the
+    registered pair whose drafter is `drafter_source` (a folder or repo id); None if unmeasured."""
+
+    def same(a: str, b: str) -> bool:
+        if a == b:
+            return True
+        try:
+            return Path(a).expanduser().resolve() == Path(b).expanduser().resolve() and Path(a).exists()
+        except (OSError, ValueError):
+            return False
+
+    got = [v for p in all_pairs() if p.accept and same(p.drafter, str(drafter_source)) for _, v in p.accept]
+    return max(got) if got else None
+
+
 def pairs_for_name(name: str, kind: str | None = None) -> list[Pair]:
     c = canonical_name(name)
     return [p for p in all_pairs() if p.target == c and (kind is None or p.kind == kind)]
@@ -323,6 +353,7 @@ def table() -> list[dict]:
             "status": p.measured or UNMEASURED,
             "note": p.note,
             "reproduce": p.reproduce,
+            "accept": dict(p.accept),
         }
         for p in all_pairs()
     ]
