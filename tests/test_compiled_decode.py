@@ -284,7 +284,7 @@ def test_a_process_that_decoded_in_a_thread_exits_cleanly(path, tmp_path):
         assert p.stdout.strip() == "24"
 
 
-@pytest.mark.parametrize("mode", ["baseline", "lookup", "dspark"])
+@pytest.mark.parametrize("mode", ["baseline", "lookup", "dspark", "dflash"])
 def test_batched_rows_run_one_compiled_graph_and_equal_solo_runs(mode, monkeypatch):
     """The batch engine's rows (decode/batch.step_rows) run as one traced graph of all rows where
     every row's cache is a compiled buffer, and the drafter's rows as one compiled pass: each row's
@@ -301,7 +301,8 @@ def test_batched_rows_run_one_compiled_graph_and_equal_solo_runs(mode, monkeypat
     compiled = target.compiled_decode
     assert compiled is not None
     assert batch.check(target, 4, 17) is None  # the load's measurement: batched rows equal solo steps
-    drafter = load_drafter(str(ws["dspark_qwen3"]), target, bits=16) if mode == "dspark" else None
+    fixture = {"dspark": "dspark_qwen3", "dflash": "dflash_zlab"}.get(mode)
+    drafter = load_drafter(str(ws[fixture]), target, bits=16) if fixture else None
     vocab = target.vocab_size
     prompts = [[(7 * i + 11 * r + 3) % vocab for i in range(9 + 13 * r)] for r in range(4)]
     budgets, join_at = [30, 12, 25, 18], [0, 0, 2, 5]
