@@ -5,6 +5,9 @@
 #   BUDGET=460 bash bench/h200_distill_dflash.sh setup run     # one device call (timeout_s >= BUDGET + 60)
 #   BUDGET=460 bash bench/h200_distill_dflash.sh more          # (same warm machine) train on, from the last
 #                                                              # export, on the same answers; measure again
+#   BUDGET=460 ANSWERS=8 bash bench/h200_distill_dflash.sh setup gen   # more data: a call of answers only,
+#   BUDGET=460 ANSWERS=8 bash bench/h200_distill_dflash.sh train       # then (same warm machine, same
+#                                                              # data flags) a call of training from INIT
 #
 # `run` does, each step bounded in time (a cut step leaves what it made; the next one goes on):
 #   1. the target (demo GGUF, bf16) answers the train/ prompts (only those) for GEN_FRAC of BUDGET

@@ -79,6 +79,37 @@ for step in "$@"; do
     finish "$N" || exit 1
     echo "done at $(el)s"
     ;;
+  gen)
+    # A call of answers only (the whole budget): more data than `run` can make and train on in
+    # one call. The answers stay in $W on this warm machine for the next call's `train`.
+    P=$(prompts)
+    [ -z "$P" ] && { echo "no train prompts ($PROMPT_GLOB) under $C/train (or $C/train.tar.gz)"; exit 2; }
+    rm -rf "$W" "$W.gen"
+    GEN_S=$(( $(left) - 75 ))
+    echo "budget ${BUDGET}s: answers only, ${GEN_S}s; prompts: $P" | tee "$OUT/timings"
+    timeout $(( GEN_S + 60 )) python3 -m mlx_dspark distill $DATA_OPTS $ARCH --prompts $P --out "$W.gen" \
+      --steps 0 --no-eval --gen-seconds $GEN_S > "$OUT/distill-data.log" 2>&1
+    echo "data rc=$? at $(el)s" | tee -a "$OUT/timings"; grep -E "^distill:" "$OUT/distill-data.log" | tail -3
+    [ -f "$W.gen/samples.jsonl" ] || { echo "no answers were made"; tail -20 "$OUT/distill-data.log"; exit 1; }
+    mkdir -p "$W" && cp "$W.gen/samples.jsonl" "$W/" && ls -la "$W/samples.jsonl"
+    { grep -hE "^distill:" "$OUT/distill-data.log"; cat "$OUT/timings"; } > "$OUT/report.md"
+    rm -f "$OUT/distill-data.log" "$OUT/timings"
+    echo "done at $(el)s"
+    ;;
+  train)
+    # A call of training on the answers a `gen` call left in $W (the same DATA_OPTS: reused, not
+    # regenerated), from INIT, for the budget less export and evaluation; then finish as `run` does.
+    [ -f "$W/samples.jsonl" ] || { echo "no answers in $W: run the gen step first (same warm machine)"; exit 2; }
+    P=$(prompts); rm -rf "$W.t"; mkdir -p "$W.t" && cp "$W/samples.jsonl" "$W.t/"
+    TRAIN_S=$(( BUDGET * ${TRAIN_ONLY_FRAC:-72} / 100 ))
+    echo "budget ${BUDGET}s: training ${TRAIN_S}s on $(wc -l < "$W/samples.jsonl") answers" | tee "$OUT/timings"
+    timeout $(( TRAIN_S + 40 )) python3 -m mlx_dspark distill $DATA_OPTS $ARCH --prompts $P --out "$W.t" \
+      --steps 20000 --train-seconds $TRAIN_S $TRAIN --save-every 100 --no-eval > "$OUT/distill-train.log" 2>&1
+    echo "train rc=$? at $(el)s" | tee -a "$OUT/timings"
+    tr '\r' '\n' < "$OUT/distill-train.log" | grep -v "^$" | tail -3
+    finish "$W.t" || exit 1
+    echo "done at $(el)s"
+    ;;
   *) echo "unknown step $step"; exit 2 ;;
   esac
 done
