@@ -1,7 +1,7 @@
 """A lone request on the batching engine against the serial engine, each in a process of its own.
 
   python bench/bench_lone.py [--model M] [--dtype float32] [--modes baseline,dspark] [--tokens 128]
-                             [--procs 2] [--repeat 3] [--max-batch 4] [--out FILE.md]
+                             [--procs 2] [--repeat 3] [--max-batch 4] [--control] [--out FILE.md]
 
 Why: issue 18's bar "a lone request is no slower than today's serial path (>= 0.98x)". Inside
 bench_batch.py both engines share one process and one target, and there the engine created second
@@ -11,7 +11,8 @@ engines in a small script read 1.00x. Here every process loads the target, build
 request, untimed) and times the lone request `--repeat` times. The processes alternate
 serial / batched, `--procs` of each; a side's figure is its best wall time over all its runs, and
 the ratio is serial best / batched best (>= 0.98 is the bar). The answers of both engines must be
-the same tokens and text.
+the same tokens and text. `--control` runs the serial engine in both columns (the same
+alternation, separate processes): the ratio identical code reads, to judge a bar of 2% against.
 On Linux CPU preload OpenBLAS (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0).
 """
 
@@ -63,6 +64,12 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="timed lone requests per process")
     ap.add_argument("--max-batch", type=int, default=4, help="the batching engine's --max-batch")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="both columns run the serial engine (separate processes, the same alternation): the spread of "
+        "identical code between processes, to read the ratio against",
+    )
     ap.add_argument("--out")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
@@ -77,15 +84,17 @@ def main() -> int:
         f"## bench_lone: a lone request, each engine in its own process ({a.dtype or 'default dtype'})",
         f"`python bench/bench_lone.py {' '.join(sys.argv[1:])}` at {time.strftime('%Y-%m-%d %H:%M')}",
         "",
-        "| mode | serial best s | batched best s | batched / serial speed | runs each | same tokens and text |",
+        ("control: both columns run the serial engine\n\n" if a.control else "")
+        + "| mode | serial best s | batched best s | batched / serial speed | runs each | same tokens and text |",
         "|---|---|---|---|---|---|",
     ]
     bad = 0
     for mode in a.modes.split(","):
-        walls: dict = {1: [], a.max_batch: []}
+        walls: dict = {"S": [], "B": []}
         answers = []
         for k in range(2 * a.procs):
-            mb = (1, a.max_batch)[k % 2] if (k // 2) % 2 == 0 else (a.max_batch, 1)[k % 2]  # S B B S S B ...
+            side = ("S", "B")[k % 2] if (k // 2) % 2 == 0 else ("B", "S")[k % 2]  # S B B S S B ...
+            mb = 1 if side == "S" or a.control else a.max_batch
             p = subprocess.run(
                 [sys.executable, __file__, "--child", "--mode", mode, "--max-batch", str(mb), *common],
                 capture_output=True,
@@ -98,13 +107,15 @@ def main() -> int:
             except (ValueError, IndexError):
                 print(p.stderr[-2000:], file=sys.stderr)
                 return 2
-            walls[mb] += r["walls"]
+            walls[side] += r["walls"]
             answers.append((r["tokens"], r["text"]))
-            print(f"  {mode} max_batch={mb}: {min(r['walls']):.3f} s best", file=sys.stderr, flush=True)
+            print(f"  {mode} {side} max_batch={mb}: {min(r['walls']):.3f} s best", file=sys.stderr, flush=True)
         same = all(x == answers[0] for x in answers)
         bad += not same
-        s, b = min(walls[1]), min(walls[a.max_batch])
-        lines.append(f"| {mode} | {s:.3f} | {b:.3f} | **{s / b:.3f}x** | {len(walls[1])} | {'yes' if same else 'NO'} |")
+        s, b = min(walls["S"]), min(walls["B"])
+        lines.append(
+            f"| {mode} | {s:.3f} | {b:.3f} | **{s / b:.3f}x** | {len(walls['S'])} | {'yes' if same else 'NO'} |"
+        )
     import _package  # noqa: F401  (the installed mlx_dspark, else python/)
 
     from mlx_dspark import benchmark as bm
