@@ -1,7 +1,7 @@
 """A lone request on the batching engine against the serial engine, each in a process of its own.
 
   python bench/bench_lone.py [--model M] [--dtype float32] [--modes baseline,dspark] [--tokens 128]
-                             [--procs 2] [--repeat 3] [--max-batch 4] [--control] [--out FILE.md]
+                             [--procs 2] [--repeat 3] [--max-batch 4] [--control | --one-process] [--out FILE.md]
 
 Why: issue 18's bar "a lone request is no slower than today's serial path (>= 0.98x)". Inside
 bench_batch.py both engines share one process and one target, and there the engine created second
@@ -13,6 +13,7 @@ serial / batched, `--procs` of each; a side's figure is its best wall time over 
 the ratio is serial best / batched best (>= 0.98 is the bar). The answers of both engines must be
 the same tokens and text. `--control` runs the serial engine in both columns (the same
 alternation, separate processes): the ratio identical code reads, to judge a bar of 2% against.
+`--one-process` puts both engines in one process, warmed, alternating: medians of their own cost.
 On Linux CPU preload OpenBLAS (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0).
 """
 
@@ -54,6 +55,52 @@ def child(a) -> None:
     print(json.dumps({"walls": [w for w, _ in runs], "tokens": list(r.tokens), "text": r.text}))
 
 
+def one_process(a) -> list[str]:
+    """Both engines in ONE process, both warmed, lone requests alternating (--repeat each, per mode):
+    the engines' own cost side by side, without the process-to-process spread."""
+    import statistics
+
+    import _package  # noqa: F401
+    from bench_batch import _run
+
+    from mlx_dspark.api import drafter_for, encode_prompt
+    from mlx_dspark.benchmark import load_bench_target
+    from mlx_dspark.serve.engine import Engine
+
+    _, target, tok = load_bench_target(a.model, a.dtype)
+    ids = encode_prompt(tok, PROMPT)
+    lines = [
+        "one process, both engines warmed, lone requests alternating\n",
+        "| mode | serial s (median, min) | batched s (median, min) | batched / serial (median) | runs each | same |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode in a.modes.split(","):
+        drafter = drafter_for(target, mode) if mode in ("dspark", "dflash") else None
+        engs = {
+            mb: Engine(target, tok, mode=mode, drafter=drafter, max_batch=mb, max_queue=8) for mb in (1, a.max_batch)
+        }
+        for e in engs.values():
+            e.start()
+            e.warmup()
+            _run(e, [ids], a.tokens)  # untimed: first-use costs of this request's shapes
+        walls: dict = {mb: [] for mb in engs}
+        answers = set()
+        for i in range(a.repeat):
+            for mb in (1, a.max_batch) if i % 2 == 0 else (a.max_batch, 1):
+                wall, _, jobs = _run(engs[mb], [ids], a.tokens)
+                walls[mb].append(wall)
+                answers.add((tuple(jobs[0].outcome.result.tokens), jobs[0].outcome.result.text))
+        for e in engs.values():
+            e.stop()
+        s, b = walls[1], walls[a.max_batch]
+        ms, mb_ = statistics.median(s), statistics.median(b)
+        lines.append(
+            f"| {mode} | {ms:.3f}, {min(s):.3f} | {mb_:.3f}, {min(b):.3f} | **{ms / mb_:.3f}x** | {len(s)} | "
+            f"{'yes' if len(answers) == 1 else 'NO'} |"
+        )
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model")
@@ -70,12 +117,23 @@ def main() -> int:
         help="both columns run the serial engine (separate processes, the same alternation): the spread of "
         "identical code between processes, to read the ratio against",
     )
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="both engines in one process, alternating: their own cost side by side (medians)",
+    )
     ap.add_argument("--out")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         child(a)
+        return 0
+    if a.one_process:
+        out = [f"## bench_lone --one-process ({a.dtype or 'default dtype'})", *one_process(a)]
+        from mlx_dspark import benchmark as bm
+
+        bm.emit("\n".join(out) + "\n", a.out)
         return 0
     common = ["--tokens", str(a.tokens), "--repeat", str(a.repeat)]
     common += ["--model", a.model] if a.model else []
