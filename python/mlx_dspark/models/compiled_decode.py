@@ -188,6 +188,21 @@ class _RowsBufferKV:
     make_mask = _BufferKV.make_mask
 
 
+def _traced_forward(target, tokens: mx.array, layers: list, taps: tuple) -> list:
+    """Inside a trace: the target's forward over buffer caches, through the invariant ops; every
+    layer that wrote its buffer must have had its attention read it ([logits] or [logits, hidden])."""
+    from ..kernels import invariant
+
+    try:
+        with invariant.active():
+            out = target._forward_native(tokens, layers, taps, False)
+        if invariant.offset_pending():
+            raise invariant.NotInvariant("a layer wrote its cache and read no attention from it")
+    finally:
+        invariant.take_offset()
+    return [out.logits] if out.hidden is None else [out.logits, out.hidden]
+
+
 class CompiledDecode:
     """The compiled decode forwards of one target (target.compiled_decode)."""
 
@@ -203,18 +218,9 @@ class CompiledDecode:
             target = self._target
 
             def step(tokens, offset, keys, values):
-                from ..kernels import invariant
-
                 self.traces += 1
                 layers = [_BufferKV(offset, k, v) for k, v in zip(keys, values)]
-                try:
-                    with invariant.active():
-                        out = target._forward_native(tokens, layers, taps, False)
-                    if invariant.offset_pending():
-                        raise invariant.NotInvariant("a layer wrote its cache and read no attention from it")
-                finally:
-                    invariant.take_offset()
-                outs = [out.logits] if out.hidden is None else [out.logits, out.hidden]
+                outs = _traced_forward(target, tokens, layers, taps)
                 return outs, [c.keys for c in layers], [c.values for c in layers]
 
             fn = self._fns[taps] = mx.compile(step)
@@ -246,8 +252,6 @@ class CompiledDecode:
             n_layers = len(target.layers)
 
             def step(tokens, offsets, keys, values):
-                from ..kernels import invariant
-
                 self.traces += 1
                 B = tokens.shape[0]
                 layers = [
@@ -258,14 +262,7 @@ class CompiledDecode:
                     )
                     for i in range(n_layers)
                 ]
-                try:
-                    with invariant.active():
-                        out = target._forward_native(tokens, layers, taps, False)
-                    if invariant.offset_pending():
-                        raise invariant.NotInvariant("a layer wrote its cache and read no attention from it")
-                finally:
-                    invariant.take_offset()
-                outs = [out.logits] if out.hidden is None else [out.logits, out.hidden]
+                outs = _traced_forward(target, tokens, layers, taps)
                 new_k = [layers[i].keys[b] for b in range(B) for i in range(n_layers)]
                 new_v = [layers[i].values[b] for b in range(B) for i in range(n_layers)]
                 return outs, new_k, new_v
