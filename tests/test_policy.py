@@ -139,6 +139,23 @@ def test_a_measured_drafter_is_judged_on_what_it_earns_not_on_the_best_case():
     assert pol.plain_reason(REFERENCE_BLAS, 32, drafter=False, measured_tau=1.0) is None  # lookup: not a drafter
 
 
+def test_auto_runs_lookup_where_the_registered_drafter_cannot_pay():
+    """modes.auto_verdict (what --mode auto and bench_calibration.py decide): the demo drafter on
+    the reference-BLAS curve gives way to lookup and says why; an unmeasured drafter of the same
+    shape keeps the best case and runs; where verifies are cheap the demo drafter runs."""
+    from types import SimpleNamespace
+
+    from mlx_dspark.models import registry
+
+    demo = SimpleNamespace(source=registry.SMOLLM2_DSPARK, block_drafts=7, kind="dspark")
+    runs, said = modes.auto_verdict(REFERENCE_BLAS, demo)
+    assert runs == "lookup" and "the drafter cannot pay" in said and "runs lookup" in said
+    assert modes.auto_verdict(REFERENCE_BLAS, demo, lookup_drafts=False)[0] == "baseline"
+    other = SimpleNamespace(source="/nowhere/unmeasured-drafter", block_drafts=7, kind="dspark")
+    assert modes.auto_verdict(REFERENCE_BLAS, other) == ("dspark", None)
+    assert modes.auto_verdict(FLAT, demo) == ("dspark", None)
+
+
 def test_the_registry_records_what_the_demo_drafter_earns():
     from mlx_dspark.models import registry
 
