@@ -160,8 +160,10 @@ class DrafterProposer(Proposer):
 
     def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
         got = self._prepare(history, max_draft, sampling)
-        if isinstance(got, Draft):
-            return got
+        return got if isinstance(got, Draft) else self._run_pass(got)
+
+    def _run_pass(self, got: "_DrafterPass") -> Draft:
+        """The Draft of one drafter pass: the compiled greedy pass where there is one, else op by op."""
         lazy = self._compiled_sample(got)
         if lazy is not None:
             return self._compiled_draft(got, lazy)
@@ -217,9 +219,7 @@ class DrafterProposer(Proposer):
                 pend.append((i, p, got))
         if len(pend) == 1 or len({id(p.drafter) for _, p, _ in pend}) > 1:
             for i, p, got in pend:
-                lazy = p._sample(got, p.drafter.block_hidden(got.anchor, got.rows, p.state))
-                mx.eval(lazy[3])
-                drafts[i] = p._drafted(got, *lazy)
+                drafts[i] = p._run_pass(got)  # a row drafting alone: its own pass, as in a solo round
         elif pend:
             d = pend[0][1].drafter
             rows_pass = getattr(d, "greedy_block_rows", None)

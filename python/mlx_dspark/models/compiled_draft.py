@@ -18,8 +18,9 @@ Drafts need no exactness (the target verifies every one): the graph rounds as it
 deterministic. A pass that fails to trace or run on this backend falls back, with a warning, to the
 op-by-op pass for that drafter from then on. Greedy drafting only (a plain argmax per slot);
 sampled drafts take the op-by-op path. Where it runs: where the target's decode forward is compiled
-(compiled_decode.wanted()). The batch engine's rows share one pass (`rows`): the projections over
-every row's block, each row's attention over its own buffer.
+(compiled_decode.wanted()). One pass serves one generation or several (`rows`: the batch engine's
+rows share it): the projections over every row's block, each row's attention over its own buffer;
+a generation drafting alone is its one-row case.
 """
 
 from __future__ import annotations
@@ -56,32 +57,11 @@ class CompiledDraft:
 
     def __init__(self, drafter):
         self._drafter = drafter
-        self._fns: dict = {}  # threshold -> mx.compile'd pass
-        self._row_fns: dict = {}  # threshold -> mx.compile'd pass of several rows (decode/batch.py)
+        self._row_fns: dict = {}  # threshold -> mx.compile'd pass of one row or several (decode/batch.py)
         self.traces = 0
         self.failed: str | None = None  # why a pass could not run here: the drafter drafts op by op
 
     def _pass(self, threshold: float):
-        fn = self._fns.get(threshold)
-        if fn is None:
-            d = self._drafter
-            rest = mx.array([d.mask_token_id] * (d.block_size - 1), dtype=mx.int32)
-
-            def run(anchor, offset, keys, values):
-                self.traces += 1
-                cap, B = keys[0].shape[2], d.block_size
-                pos = mx.arange(cap + B)
-                mask = ((pos < offset) | (pos >= cap))[None, None, None, :]
-                caches = [_BlockKV(offset, k, v, mask) for k, v in zip(keys, values)]
-                ids = mx.concatenate([anchor.reshape(1), rest])
-                h = d.model.run_block(d.embed(ids)[None], None, caches)[0][d.spec.logits_start :]
-                toks, _, conf = d.sample(h, anchor, _greedy, threshold)
-                return [mx.stack(toks)] + ([conf] if conf is not None else [])
-
-            fn = self._fns[threshold] = mx.compile(run)
-        return fn
-
-    def _rows_pass(self, threshold: float):
         fn = self._row_fns.get(threshold)
         if fn is None:
             d = self._drafter
@@ -127,7 +107,7 @@ class CompiledDraft:
             values += [c.values for c in st]
         traced = self.traces
         try:
-            outs = self._rows_pass(float(threshold))(
+            outs = self._pass(float(threshold))(
                 mx.array([int(a) for a in anchors], dtype=mx.int32),
                 mx.array([st[0].offset for st in states], dtype=mx.int32),
                 keys,
@@ -150,30 +130,10 @@ class CompiledDraft:
 
     def __call__(self, anchor: int, rows: mx.array | None, state: list, threshold: float):
         """(tokens [block_drafts], confidences [block_drafts] or None), lazy, after ingesting
-        `rows` into `state`; None where the state has no buffer yet (the op-by-op pass runs)."""
-        if rows is not None and rows.shape[0]:
-            self._drafter.ingest(rows, state)
-        elif any(c.keys is None for c in state):
-            return None  # nothing ingested yet: the op-by-op pass, rows untouched
-        for c in state:
-            pad_to_blocks(c)
-        traced = self.traces
-        try:
-            outs = self._pass(float(threshold))(
-                mx.array(int(anchor), dtype=mx.int32),
-                mx.array(state[0].offset, dtype=mx.int32),
-                [c.keys for c in state],
-                [c.values for c in state],
-            )
-            if self.traces != traced:  # a new graph: run it here, where its failure can fall back
-                mx.eval(outs)
-        except (RuntimeError, ValueError, TypeError) as e:  # a backend that cannot run it
-            self.failed = f"{type(e).__name__}: {e}"
-            warnings.warn(f"the compiled drafter pass failed here ({self.failed}); drafting op by op", stacklevel=2)
-            d = self._drafter  # the rows are in the state already
-            toks, _, conf = d.sample(d.block_hidden(anchor, None, state), anchor, _greedy, threshold)
-            return mx.stack(toks), conf
-        return outs[0], (outs[1] if len(outs) > 1 else None)
+        `rows` into `state`; None where the state has no buffer yet (the op-by-op pass runs).
+        A generation drafting alone is the one-row case of `rows`."""
+        got = self.rows([anchor], [rows], [state], threshold)
+        return None if got is None else got[0]
 
 
 def for_drafter(drafter) -> CompiledDraft | None:

@@ -188,8 +188,7 @@ class DraftAttention(nn.Module):
         keys, values = cache.write(k, v, keep=n_ctx)  # block rows are transient
         q = self.q_norm(self.q_proj(x).reshape(B, L, cfg.num_heads, cfg.head_dim)).transpose(0, 2, 1, 3)
         q = rope(q, offset=start + n_ctx)
-        mask = getattr(cache, "mask", None)  # a compiled pass's buffer (models/compiled_draft.py)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=cfg.attn_scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=cfg.attn_scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def call_rows(self, x: mx.array, ctxs: list, rope, caches: list) -> mx.array:
