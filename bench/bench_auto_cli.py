@@ -1,14 +1,15 @@
 """The never-slower check, as a user gets it: one fresh `mlx-dspark generate` process per run.
 
   python bench/bench_auto_cli.py [--blas both|openblas|reference|asis] [--classes chat,code,math,copy]
-                                 [--reps 3] [--max-new-tokens 96] [--out bench/results/auto-cli-cpu.md]
+                                 [--prompts 1] [--reps 3] [--max-new-tokens 96] [--out bench/results/auto-cli-cpu.md]
 
 For each BLAS setting (reference = MLX_DSPARK_OPENBLAS=0, the new user's machine; openblas = what
 the CLI preloads; asis = the environment untouched, for a GPU machine) and each content class
-(the first prompt of benchmark.PROMPT_SETS), it runs
+(the first `--prompts` prompts of its benchmark.PROMPT_SETS entry; 0 = all of them), it runs
 `--mode auto` (the default) and `--mode baseline` in alternation, `--reps` times each, every run a
 new process with `--json`, and reports the ratio of the median decode tok/s (and of the median
-end-to-end wall time of the process). Both sides decode the same tokens and text (checked). The first auto
+end-to-end wall time of the process) per prompt; a class's ratio is the geometric mean of its
+prompts' ratios. Both sides decode the same tokens and text (checked). The first auto
 run of each BLAS setting pays the one-time calibration (decode/costs.py): it is timed and
 reported, and not counted. The calibration cache is a fresh folder (MLX_DSPARK_CACHE), never ~/.cache.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -65,10 +67,33 @@ def one_run(mode: str, prompt: str, n: int, env: dict) -> dict:
     }
 
 
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def compare(prompt: str, a, env: dict, tag: str) -> dict:
+    """Alternate baseline and auto runs of one prompt, --reps each; the table row and the ratios."""
+    runs = {"baseline": [], "auto": []}
+    for r in range(a.reps):
+        for mode in ("baseline", "auto") if r % 2 == 0 else ("auto", "baseline"):
+            runs[mode].append(one_run(mode, prompt, a.max_new_tokens, env))
+            print(f"  {tag} {mode} {runs[mode][-1]['tps']:.2f} tok/s", file=sys.stderr, flush=True)
+    b, x = runs["baseline"], runs["auto"]
+    mb, mx_ = statistics.median(r["tps"] for r in b), statistics.median(r["tps"] for r in x)
+    wb, wx = statistics.median(r["wall"] for r in b), statistics.median(r["wall"] for r in x)
+    same = all(r["tokens"] == b[0]["tokens"] and r["text"] == b[0]["text"] for r in b + x)
+    line = (
+        f"{mb:.2f} | {mx_:.2f} | {mx_ / mb:.3f}x | {wb / wx:.3f}x | {x[0]['mode']} | "
+        f"{x[0]['accept']:.2f} | {'yes' if same else 'NO'} |"
+    )
+    return {"decode": mx_ / mb, "wall": wb / wx, "line": line}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blas", default="both", choices=["both", "openblas", "reference", "asis"])
     ap.add_argument("--classes", default="chat,code,math,copy")
+    ap.add_argument("--prompts", type=int, default=1, help="prompts per class (0 = every prompt of the set)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--out")
@@ -84,7 +109,7 @@ def main() -> int:
     machine = f"{mx.device_info().get('device_name', 'GPU')} (MLX {mx.__version__})" if gpu else cpu_name()
     emit(
         f"\n## bench_auto_cli.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
-        f"`python bench/bench_auto_cli.py --blas {a.blas} --classes {a.classes} --reps {a.reps} "
+        f"`python bench/bench_auto_cli.py --blas {a.blas} --classes {a.classes} --prompts {a.prompts} --reps {a.reps} "
         f"--max-new-tokens {a.max_new_tokens}`; {machine}, {os.cpu_count()} cores, shared with other "
         f"jobs (load average {load:.1f} at the start); demo model, {default_dtype()}; modes alternate run by run.\n",
         a.out,
@@ -111,21 +136,20 @@ def main() -> int:
             a.out,
         )
         for cls in classes:
-            prompt = bm.PROMPT_SETS[cls][0]
-            runs = {"baseline": [], "auto": []}
-            for r in range(a.reps):
-                for mode in ("baseline", "auto") if r % 2 == 0 else ("auto", "baseline"):
-                    runs[mode].append(one_run(mode, prompt, a.max_new_tokens, env))
-                    print(f"  {setting} {cls} {mode} {runs[mode][-1]['tps']:.2f} tok/s", file=sys.stderr, flush=True)
-            b, x = runs["baseline"], runs["auto"]
-            mb, mx_ = statistics.median(r["tps"] for r in b), statistics.median(r["tps"] for r in x)
-            wb, wx = statistics.median(r["wall"] for r in b), statistics.median(r["wall"] for r in x)
-            same = all(r["tokens"] == b[0]["tokens"] and r["text"] == b[0]["text"] for r in b + x)
-            emit(
-                f"| {cls} | {mb:.2f} | {mx_:.2f} | {mx_ / mb:.3f}x | {wb / wx:.3f}x | {x[0]['mode']} | "
-                f"{x[0]['accept']:.2f} | {'yes' if same else 'NO'} |",
-                a.out,
-            )
+            prompts = bm.PROMPT_SETS[cls][: a.prompts or None]
+            ratios, walls = [], []
+            for i, prompt in enumerate(prompts):
+                row = compare(prompt, a, env, f"{setting} {cls} {i + 1}")
+                ratios.append(row["decode"])
+                walls.append(row["wall"])
+                label = cls if len(prompts) == 1 else f"{cls} {i + 1}"
+                emit(f"| {label} | {row['line']}", a.out)
+            if len(prompts) > 1:
+                emit(
+                    f"| **{cls}, geometric mean of {len(prompts)}** | | | **{geomean(ratios):.3f}x** | "
+                    f"{geomean(walls):.3f}x | | | |",
+                    a.out,
+                )
         emit("", a.out)
     return 0
 

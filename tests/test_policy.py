@@ -94,6 +94,38 @@ def test_auto_draft_on_a_losing_machine_never_takes_a_synchronous_plain_step(mon
     assert synced and not any(synced)
 
 
+# The demo pair's curve on this project's 2-core AMD EPYC with OpenBLAS (float32; 2026-12-05)
+OPENBLAS = Costs(
+    [1, 2, 3, 4, 6, 8, 12, 16, 24, 32],
+    [0.0513, 0.0600, 0.0594, 0.0654, 0.0653, 0.0787, 0.0989, 0.0983, 0.1332, 0.1795],
+    t_draft=0.0228,
+    origin="given",
+    t_plain=0.0421,
+)
+
+
+def test_one_lucky_probe_does_not_resume_a_losing_drafter():
+    """A chat prompt the demo drafter cannot draft (auto-cpu.md, fifteenth session): its first round
+    lost all 5 drafts, a probe then got 1 of 5 right. That leaves it just above break-even; it must
+    stay parked (the gap doubles) rather than resume and lose round after round. A probe that gets
+    most drafts right resumes it at once."""
+    p = pol.CostPolicy(OPENBLAS, cap=32)
+    assert p.worth_trying("drafter", 7, 42) and p.length("drafter", 7, 42) == 5  # the prior's round
+    p.result("drafter", 5, 0, 43)
+    assert not p.worth_trying("drafter", 7, 44)  # parked
+    n = 44 + pol.PROBE_MIN
+    assert p.worth_trying("drafter", 7, n) and p.length("drafter", 7, n) >= 1
+    p.result("drafter", 5, 1, n + 2)
+    _, r = p.best("drafter", 7)
+    assert pol.MARGIN * p.plain_rate <= r < pol.RESUME_MARGIN * p.plain_rate  # break-even, not a win
+    assert not p.ready("drafter", n + 2 + 2 * pol.PROBE_MIN - 1)  # still parked, its gap doubled
+    m = n + 2 + 2 * pol.PROBE_MIN
+    assert p.worth_trying("drafter", 7, m) and p.length("drafter", 7, m) >= 1  # the next probe
+    p.result("drafter", 5, 5, m + 6)
+    assert p.worth_trying("drafter", 7, m + 7) and p.length("drafter", 7, m + 7) > 0  # resumed
+    assert p.counts["probe_rounds"] == 2
+
+
 def test_cost_policy_learns_acceptance_per_slot():
     p = pol.CostPolicy(FLAT, cap=32)
     for n in range(50):

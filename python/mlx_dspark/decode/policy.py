@@ -24,6 +24,8 @@ CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decod
   compared with plain decoding's 1 / t_verify(1). Where no k beats plain by MARGIN, the source
   parks: the loop takes pipelined plain steps, and a probe round every `park` tokens (doubling
   from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN when one wins) keeps p_i live.
+  A probe "wins" only when it leaves the source RESUME_MARGIN ahead: one lucky draft must not
+  resume a source that then loses several rounds in a row (hysteresis).
 
 `plain_reason(costs)` says when speculation cannot pay on this machine at all, even with very high
 acceptance at the best width (for a drafter whose acceptance the registry records, a margin over
@@ -55,6 +57,7 @@ HYBRID_PARK_MIN, HYBRID_PARK_MAX = 16, 512
 PRIOR = {"drafter": 0.6, "lookup": 0.5, "lookup-long": 0.8}
 ALPHA = 0.25
 MARGIN = 1.03  # a round must beat plain decoding by 3% in expectation
+RESUME_MARGIN = 1.10  # a parked source resumes when a probe leaves it 10% ahead (hysteresis)
 PROBE_MIN, PROBE_MAX = 16, 256
 BEST_CASE_P = 0.9  # plain_reason: acceptance no real drafter beats, per slot
 CEILING_MARGIN = 1.25  # plain_reason: a measured drafter may earn this much more than its best domain
@@ -234,30 +237,30 @@ class CostPolicy(DraftPolicy):
     def worth_trying(self, source: str, offered: int, n_hist: int, depth: int = 0) -> bool:
         if offered <= 0 or not self.ready(source, n_hist):
             return False
+        if self.parks[source].until > 0:
+            return True  # parked, and its gap has passed: `length` makes this round a probe
         k, r = self.best(source, offered, depth)
         if k > 0 and r >= MARGIN * self.plain_rate:
             return True
-        park = self.parks[source]
-        if park.until > 0 and not park.probing:
-            return True  # its gap has passed: `length` makes this round a probe
-        # Losing and not parked: park it here. (Letting it through for `length` to park would cost
-        # a synchronous plain step: the loop reads the pending token back before asking for a draft.)
-        park.until = n_hist + park.every
+        # Losing: park it here. (Letting it through for `length` to park would cost a synchronous
+        # plain step: the loop reads the pending token back before asking for a draft.)
+        self.parks[source].until = n_hist + self.parks[source].every
         return False
 
     def length(self, source: str, offered: int, n_hist: int, depth: int = 0) -> int:
         park = self.parks[source]
         k, r = self.best(source, offered, depth)
-        if k and r >= MARGIN * self.plain_rate:
-            park.probing = False
-            return k
-        if n_hist >= park.until and park.until > 0 and not park.probing:
-            # a probe round: the parked source is tried once to keep its acceptance live
+        if park.until > 0:
+            if n_hist < park.until:
+                return 0
+            # a probe round: the parked source is tried once to keep its acceptance live; `result`
+            # resumes it only if it is then RESUME_MARGIN ahead
             park.probing = True
             self.counts["probe_rounds"] += 1
             return max(k, 1)
+        if k and r >= MARGIN * self.plain_rate:
+            return k
         park.until = n_hist + park.every
-        park.probing = False
         return 0
 
     def result(self, source: str, proposed: int, accepted: int, n_hist: int, depth: int = 0) -> None:
@@ -269,7 +272,7 @@ class CostPolicy(DraftPolicy):
         if park.probing:
             park.probing = False
             k, r = self.best(source, max(proposed, 1), depth)
-            if k and r >= MARGIN * self.plain_rate:
+            if k and r >= RESUME_MARGIN * self.plain_rate:
                 park.every, park.until = PROBE_MIN, 0
             else:
                 park.every = min(2 * park.every, PROBE_MAX)
