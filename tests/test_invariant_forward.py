@@ -189,6 +189,41 @@ def test_modes_identical_on_the_fixed_width_path(path, monkeypatch):
     assert look.tokens == base.tokens and look.text == base.text
 
 
+def test_the_rows_check_prefills_once_and_still_catches_a_row_that_depends_on_width(path, monkeypatch):
+    """rows_match prefills its prefix once and starts each variant from it after a trim (a prefill
+    costs seconds on MLX's reference BLAS); it passes on CPU float32's native forward and fails
+    when a row's logits depend on the forward's width, or when the split block's second half
+    does not read the KV its first half wrote."""
+    monkeypatch.setenv("MLX_DSPARK_INVARIANT", "off")
+    target, _ = md.load_target(path, dtype="float32")
+    prefills = []
+    real = target.forward
+
+    def counted(tokens, cache, taps=(), last_only=False):
+        prefills.extend([1] if last_only else [])
+        return real(tokens, cache, taps=taps, last_only=last_only)
+
+    monkeypatch.setattr(target, "forward", counted)
+    assert invariance.rows_match(target) and len(prefills) == 1
+
+    def width_dependent(tokens, cache, taps=(), last_only=False):
+        out = real(tokens, cache, taps=taps, last_only=last_only)
+        if tokens.shape[1] > 1 and not last_only:
+            out.logits = out.logits + 1e-6 * tokens.shape[1]
+        return out
+
+    monkeypatch.setattr(target, "forward", width_dependent)
+    assert not invariance.rows_match(target)
+
+    def forgets_its_kv(tokens, cache, taps=(), last_only=False):
+        if tokens.shape[1] == 2:  # the split block's second half (6 = 4 + 2) reads no KV
+            cache = target.make_cache()
+        return real(tokens, cache, taps=taps, last_only=last_only)
+
+    monkeypatch.setattr(target, "forward", forgets_its_kv)
+    assert not invariance.rows_match(target)
+
+
 def test_a_forward_that_is_not_invariant_is_reported(path, monkeypatch):
     """Where neither path is invariant, load warns (the drafting modes may differ) and keeps the
     native forward: nothing silently lossy."""
