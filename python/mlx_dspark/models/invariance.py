@@ -89,7 +89,7 @@ def rows_match(target, n_prefix: int = 23, n_cont: int = 6) -> bool:
     """Plain steps, one verify block and a split block over the same prefix give bitwise equal
     logits (the split block's second half also reads the KV its first half wrote). The prefix is
     prefilled once and each variant starts from it after a trim, as verify rounds do (a cache
-    that cannot trim is prefilled again): on MLX's reference BLAS a prefill costs seconds."""
+    that cannot trim that far is prefilled again): on MLX's reference BLAS a prefill costs seconds."""
     vocab = max(target.vocab_size, 2)
     ids = mx.array([[(31 * i + 7) % vocab for i in range(n_prefix + n_cont)]], dtype=mx.int32)
     prefix, cont = ids[:, :n_prefix], ids[:, n_prefix:]
@@ -97,7 +97,8 @@ def rows_match(target, n_prefix: int = 23, n_cont: int = 6) -> bool:
 
     def prefilled():
         nonlocal cache
-        if cache is not None and target.can_trim(cache, n_cont):
+        # (recurrent and sliding-window layers roll back only their last forward: prefill again)
+        if cache is not None and target.can_trim(cache, n_cont) and not any(hasattr(c, "rewind") for c in cache):
             target.trim(cache, target.cache_len(cache) - n_prefix)
             return cache
         cache = target.make_cache()
