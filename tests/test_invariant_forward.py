@@ -265,11 +265,14 @@ def test_the_verdict_is_kept_on_disk_and_reused(path, monkeypatch, tmp_path):
     assert len(calls) > n  # a corrupt entry is measured again, never trusted
 
 
-@pytest.mark.parametrize("kernels_s,want", [(0.5, "kernels"), (0.9, "native")])
-def test_on_the_cpu_the_faster_exact_path_is_taken(path, monkeypatch, kernels_s, want):
+@pytest.mark.parametrize(
+    "kernels_s,prefill,want", [(0.5, False, "kernels"), (0.5, True, "kernels+prefill"), (0.9, True, "native")]
+)
+def test_on_the_cpu_the_faster_exact_path_is_taken(path, monkeypatch, kernels_s, prefill, want):
     """Where the native forward is invariant (CPU float32), the kernels are timed against it and
-    taken only where they pass the check too and are clearly faster; either way every mode stays
-    identical to baseline, ids and text."""
+    taken only where they pass the check too and are clearly faster; where they are, prompts also
+    prefill through them if that was timed faster too (MLX's reference BLAS). Either way every mode
+    stays identical to baseline, ids and text."""
     monkeypatch.setattr(invariance, "KERNELS_MIN_PARAMS", 0)
     timed = []
     monkeypatch.setattr(
@@ -277,13 +280,41 @@ def test_on_the_cpu_the_faster_exact_path_is_taken(path, monkeypatch, kernels_s,
         "_forward_cost",
         lambda t: timed.append(t.invariant_kernels) or (kernels_s if t.invariant_kernels else 1.0),
     )
+    monkeypatch.setattr(invariance, "_kernels_prefill_faster", lambda t: prefill)
     target, tok = md.load_target(path, dtype="float32")
     assert timed == [False, True]
-    assert target.invariance == want and target.invariant_kernels == (want == "kernels")
+    assert target.invariance == want and target.invariant_kernels == (want != "native")
+    assert target.kernel_prefill == (want == "kernels+prefill")
     prompt = "one two three one two three one two"
     base = md.generate(target, tok, prompt, mode="baseline", max_new_tokens=32)
     look = md.generate(target, tok, prompt, mode="lookup", max_new_tokens=32)
     assert look.tokens == base.tokens and look.text == base.text
+
+
+def test_a_kernel_prefill_writes_the_kv_that_plain_steps_write(path, monkeypatch):
+    """Through the invariant kernels a prompt's prefill is width-invariant too: its KV and last
+    logits equal, bit for bit, feeding the prompt one token at a time; MLX's native prefill is not
+    (a different reduction order). The load times it on this machine and keeps the answer."""
+    monkeypatch.setattr(invariance, "KERNELS_MIN_PARAMS", 0)
+    monkeypatch.setattr(invariance, "_forward_cost", lambda t: 0.5 if t.invariant_kernels else 1.0)
+    target, _ = md.load_target(path, dtype="float32")
+    assert target.invariance in ("kernels", "kernels+prefill")
+    ids = mx.array([[(7 * i + 3) % 500 for i in range(40)]], dtype=mx.int32)
+
+    def prefilled(kernel_prefill: bool):
+        target.kernel_prefill = kernel_prefill
+        cache = target.make_cache()
+        logits = target.forward(ids, cache, last_only=True).logits
+        mx.eval(logits)
+        return [logits[:, -1]] + [c.state[0][..., : c.offset, :] for c in cache]
+
+    cache = target.make_cache()
+    for j in range(ids.shape[1]):
+        logits = target.forward(ids[:, j : j + 1], cache).logits
+    stepped = [logits[:, -1]] + [c.state[0][..., : c.offset, :] for c in cache]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(prefilled(True), stepped))
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(prefilled(False), stepped))
+    assert invariance._kernels_prefill_faster(target) in (True, False) and target.kernel_prefill is False
 
 
 def test_a_small_model_or_a_failed_kernel_check_keeps_the_native_forward(path, monkeypatch):

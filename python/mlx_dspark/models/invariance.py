@@ -133,7 +133,7 @@ def _verdict_key(target, mode: str) -> dict:
     tc = target.config.get("text_config", target.config)
     dtypes, quant = weights_summary(target.model)
     return {
-        "v": 4,  # 3: the CPU may choose the kernels where they are faster; 4: compiled decode steps
+        "v": 5,  # 3: the CPU may choose the kernels where they are faster; 4: compiled decode steps; 5: kernel prefill
         "mlx": mx.__version__,
         "mlx_dspark": __version__,
         "native_ext": native.ext(warn=False) is not None,
@@ -189,7 +189,7 @@ def _store_verdict(key: dict, verdict: str) -> None:
         pass  # a read-only cache: the check runs again next time
 
 
-VERDICTS = ("native", "kernels", "fixed-width", "none")
+VERDICTS = ("native", "kernels", "kernels+prefill", "fixed-width", "none")
 
 
 def choose(target) -> str:
@@ -218,8 +218,9 @@ def choose(target) -> str:
 
 
 def _apply(target, verdict: str) -> None:
-    if verdict == "kernels":
+    if verdict in ("kernels", "kernels+prefill"):
         _enable_kernels(target)
+        target.kernel_prefill = verdict == "kernels+prefill"
     elif verdict == "fixed-width":
         _enable_fixed(target)
     elif verdict == "none":
@@ -228,7 +229,10 @@ def _apply(target, verdict: str) -> None:
 
 def _measure(target, mode: str) -> str:
     if mode == "auto" and rows_match(target):
-        return "kernels" if _kernels_pay_on_cpu(target) else "native"
+        if not _kernels_pay_on_cpu(target):
+            return "native"
+        target.kernel_prefill = _kernels_prefill_faster(target)
+        return "kernels+prefill" if target.kernel_prefill else "kernels"
     if mode in ("auto", "kernels"):
         _enable_kernels(target)
         if rows_match(target):
@@ -269,6 +273,33 @@ def _kernels_pay_on_cpu(target) -> bool:
         pass
     _disable(target)
     return False
+
+
+def _kernels_prefill_faster(target, n: int = 32) -> bool:
+    """Whether a prompt prefills faster through the invariant kernels than through MLX's matmuls,
+    timed on `n` tokens after a short warm-up of each. On MLX's bundled reference BLAS the kernels
+    prefill ~10x faster (a native run there costs seconds, so it is repeated only when the call is
+    close); with OpenBLAS they are slower at prompt widths, and prefill stays native."""
+    import time
+
+    vocab = max(target.vocab_size, 2)
+    ids = mx.array([[(13 * i + 5) % vocab for i in range(n)]], dtype=mx.int32)
+
+    def timed(through_kernels: bool, width: int) -> float:
+        target.kernel_prefill = through_kernels
+        t0 = time.perf_counter()
+        mx.eval(target.forward(ids[:, :width], target.make_cache(), last_only=True).logits)
+        return time.perf_counter() - t0
+
+    try:
+        timed(True, 8), timed(False, 8)
+        t_kernels = min(timed(True, n), timed(True, n))
+        t_native = timed(False, n)
+        if 0.5 * KERNELS_MARGIN * t_native < t_kernels <= KERNELS_MARGIN * t_native:
+            t_native = min(t_native, timed(False, n))  # close: one more native run
+    finally:
+        target.kernel_prefill = False
+    return t_kernels <= KERNELS_MARGIN * t_native
 
 
 def _forward_cost(target, n_prefix: int = 8, widths: tuple = (1, 4), reps: int = 3) -> float:
@@ -327,6 +358,7 @@ def set_path(target, path: str) -> None:
 def _disable(target) -> None:
     target.decode_width = 0
     target.invariant_kernels = False
+    target.kernel_prefill = False
     target.compiled_decode = None
 
 

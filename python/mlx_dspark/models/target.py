@@ -95,6 +95,9 @@ class Target:
         # at their real width through the invariant kernels, or every one at width W = decode_width
         # (0: not) with the invariant attention; neither: the native forward.
         self.invariant_kernels = False
+        # Prompts prefill through the invariant kernels too, where the load timed them faster than
+        # MLX's matmuls (MLX's reference BLAS); every mode shares the prefill, so all stay equal.
+        self.kernel_prefill = False
         self.compiled_decode = None  # models/compiled_decode.py: set with the kernel path where it traces
         self.decode_width = 0
         self.invariance = "unchecked"
@@ -221,6 +224,11 @@ class Target:
         if decode and self.decode_width and invariance.fixed_width_ok(cache):
             logits, hidden = invariance.forward_fixed(self, tokens, cache, taps, self.decode_width)
             return ForwardOut(logits, hidden)
+        if cache is not None and self.kernel_prefill and self.invariant_kernels:
+            from ..kernels import invariant
+
+            with invariant.active():
+                return self._forward_native(tokens, cache, taps, last_only)
         return self._forward_native(tokens, cache, taps, last_only)
 
     def _forward_native(self, tokens: mx.array, cache: list, taps: Sequence[int], last_only: bool) -> ForwardOut:
