@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, tie=False, scale=1.0)
-# Small, fast settings shared by the runs below (greedy answers: deterministic data).
-FAST = [
+# Small, fast settings shared by the DSpark and DFlash runs (greedy answers: deterministic data).
+FAST_SHARED = [
     "--answer-tokens",
     "64",
     "--batch-size",
@@ -18,8 +22,6 @@ FAST = [
     "16",
     "--layers",
     "1",
-    "--markov-rank",
-    "32",
     "--temperature",
     "0",
     "--lr",
@@ -31,17 +33,34 @@ FAST = [
     "--save-every",
     "0",
 ]
+FAST = [*FAST_SHARED, "--markov-rank", "32"]  # DSpark
 
 
-def small_run(tiny, out, *, steps, save_every, prompts, answer_tokens, **kw):
-    """DistillOptions of a short, deterministic run (greedy answers) on the tiny target."""
+def cli(args: list[str], timeout: int = 300, cmd: str = "distill") -> subprocess.CompletedProcess:
+    """`python -m mlx_dspark <cmd> <args>` in a subprocess, as a user runs it."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_dspark", cmd, *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+
+
+def accept(out: Path) -> dict:
+    """The mean acceptance per domain that a run's evaluation wrote."""
+    res = json.loads((out / "eval.json").read_text())["result"]
+    return {d: r["mean_accept"] for d, r in res.items()}
+
+
+def small_run(tiny, out, *, steps, save_every, prompts, answer_tokens, kind=None, **kw):
+    """DistillOptions of a short, deterministic run (greedy answers) on the tiny target; `kind`
+    "dflash" for a DFlash drafter (no Markov head), else DSpark."""
     from mlx_dspark.train.data import GenConfig
     from mlx_dspark.train.pipeline import DistillOptions
     from mlx_dspark.train.trainer import DistillConfig
 
     cfg = DistillConfig(
+        kind=kind,
         layers=1,
-        markov_rank=16,
+        markov_rank=None if kind == "dflash" else 16,
         steps=steps,
         batch_size=2,
         anchors=4,

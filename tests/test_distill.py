@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from distill_fixtures import FAST, TINY, assert_same_trained_weights, distill_main, quiet, small_run
+from distill_fixtures import FAST, TINY, accept, assert_same_trained_weights, cli, distill_main, quiet, small_run
 from fixtures import write_model
 
 
@@ -24,32 +24,18 @@ def tiny(tmp_path_factory) -> Path:
     return write_model(tmp_path_factory.mktemp("distill") / "target", "qwen3", **TINY)
 
 
-def _cli(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_dspark", "distill", *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
-
-
-def _accept(out: Path) -> dict:
-    res = json.loads((out / "eval.json").read_text())["result"]
-    return {d: r["mean_accept"] for d, r in res.items()}
-
-
 @pytest.mark.slow
 def test_distill_raises_acceptance_above_a_random_drafter(tiny, tmp_path):
     trained, random_ = tmp_path / "trained", tmp_path / "random"
-    p = _cli(
-        ["--model", str(tiny), "--out", str(trained), "--steps", "250", "--export", str(tmp_path / "small"), *FAST]
-    )
+    p = cli(["--model", str(tiny), "--out", str(trained), "--steps", "250", "--export", str(tmp_path / "small"), *FAST])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "tok/s" in p.stderr and "ETA" in p.stderr  # the progress line
     # The same data, no training: the random-init drafter, through the same evaluation.
     random_.mkdir()
     shutil.copy(trained / "samples.jsonl", random_ / "samples.jsonl")
-    p0 = _cli(["--model", str(tiny), "--out", str(random_), "--steps", "0", *FAST])
+    p0 = cli(["--model", str(tiny), "--out", str(random_), "--steps", "0", *FAST])
     assert p0.returncode == 0, p0.stderr[-3000:]
-    a1, a0 = _accept(trained), _accept(random_)
+    a1, a0 = accept(trained), accept(random_)
     assert set(a1) == {"chat", "code", "math", "_all"}  # per domain (held-out built-in prompts)
     assert a1["_all"] >= a0["_all"] + 0.6 and a1["_all"] >= 1.4 * a0["_all"], (a0, a1)
 

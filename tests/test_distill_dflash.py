@@ -16,31 +16,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from distill_fixtures import FAST_SHARED, TINY, accept, cli, quiet, small_run
 from fixtures import write_model
 
-TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, tie=False, scale=1.0)
-FAST = [
-    "--kind",
-    "dflash",
-    "--answer-tokens",
-    "64",
-    "--batch-size",
-    "4",
-    "--anchors",
-    "16",
-    "--layers",
-    "1",
-    "--temperature",
-    "0",
-    "--lr",
-    "2e-3",
-    "--eval-samples",
-    "4",
-    "--eval-max-tokens",
-    "48",
-    "--save-every",
-    "0",
-]
+FAST = ["--kind", "dflash", *FAST_SHARED]
 BACKBONE = {"fc.weight", "hidden_norm.weight", "norm.weight"}
 LAYER = {
     "input_layernorm.weight",
@@ -60,22 +39,6 @@ LAYER = {
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return write_model(tmp_path_factory.mktemp("distill-dflash") / "target", "qwen3", **TINY)
-
-
-def _cli(args: list[str], timeout: int = 300, cmd: str = "distill") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [sys.executable, "-m", "mlx_dspark", cmd, *args], capture_output=True, text=True, env=env, timeout=timeout
-    )
-
-
-def _accept(out: Path) -> dict:
-    res = json.loads((out / "eval.json").read_text())["result"]
-    return {d: r["mean_accept"] for d, r in res.items()}
-
-
-def _quiet(s: str) -> None:
-    pass
 
 
 def _assert_zlab_layout(d: Path, layers: int, block: int = 16) -> dict:
@@ -158,12 +121,12 @@ def trained(tmp_path_factory):
     """One CLI run: --kind dflash, 250 steps, --export; and the same data with no training."""
     root = tmp_path_factory.mktemp("dflash-run")
     rule = _rule_target(root / "rule")
-    p = _cli(["--model", str(rule), "--out", str(root / "t"), "--steps", "250", "--export", str(root / "x"), *FAST])
+    p = cli(["--model", str(rule), "--out", str(root / "t"), "--steps", "250", "--export", str(root / "x"), *FAST])
     assert p.returncode == 0, p.stderr[-3000:]
     assert "tok/s" in p.stderr and "ETA" in p.stderr
     (root / "r").mkdir()
     shutil.copy(root / "t" / "samples.jsonl", root / "r" / "samples.jsonl")
-    p0 = _cli(["--model", str(rule), "--out", str(root / "r"), "--steps", "0", *FAST])
+    p0 = cli(["--model", str(rule), "--out", str(root / "r"), "--steps", "0", *FAST])
     assert p0.returncode == 0, p0.stderr[-3000:]
     return rule, root
 
@@ -171,7 +134,7 @@ def trained(tmp_path_factory):
 @pytest.mark.slow
 def test_dflash_distill_raises_acceptance_above_a_random_drafter(trained):
     rule, root = trained
-    a1, a0 = _accept(root / "t"), _accept(root / "r")
+    a1, a0 = accept(root / "t"), accept(root / "r")
     assert set(a1) == {"chat", "code", "math", "_all"}  # per domain (held-out built-in prompts)
     assert a0["_all"] < 1.2 and a1["_all"] >= a0["_all"] + 0.8, (a0, a1)
     hist = [h for h in map(json.loads, (root / "t" / "train_log.jsonl").read_text().splitlines()) if "ce" in h]
@@ -202,34 +165,18 @@ def test_the_export_runs_losslessly_as_a_user_runs_it(trained):
             assert res.tokens == base.tokens and res.text == base.text
     assert max(res.accept_lengths) >= 4, res.accept_lengths
     common = ["--model", str(rule), "--prompt", "Count on, please.", "--max-new-tokens", "48", "--json"]
-    b = _cli([*common, "--mode", "baseline"], cmd="generate")
-    d = _cli([*common, "--mode", "dflash", "--drafter", str(root / "x"), "--max-draft", "15"], cmd="generate")
+    b = cli([*common, "--mode", "baseline"], cmd="generate")
+    d = cli([*common, "--mode", "dflash", "--drafter", str(root / "x"), "--max-draft", "15"], cmd="generate")
     assert b.returncode == 0 and d.returncode == 0, (b.stderr[-2000:], d.stderr[-2000:])
     jb, jd = json.loads(b.stdout), json.loads(d.stdout)
     assert jd["mode"] == "dflash" and jd["tokens"] == jb["tokens"] and jd["text"] == jb["text"]
     assert jd["stats"]["drafter_accepted"] > 0
-    streamed = _cli([*common[:-1], "--mode", "dflash", "--drafter", str(root / "x")], cmd="generate")
+    streamed = cli([*common[:-1], "--mode", "dflash", "--drafter", str(root / "x")], cmd="generate")
     assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == jb["text"]
 
 
 def _small(model, out, *, steps, save_every, **kw):
-    from mlx_dspark.train.data import GenConfig
-    from mlx_dspark.train.pipeline import DistillOptions
-    from mlx_dspark.train.trainer import DistillConfig
-
-    cfg = DistillConfig(
-        kind="dflash",
-        layers=1,
-        steps=steps,
-        batch_size=2,
-        anchors=4,
-        save_every=save_every,
-        lr=2e-3,
-        gen=GenConfig(max_new_tokens=24, batch_size=16),
-    )
-    return DistillOptions(
-        model=str(model), out=str(out), max_train_prompts=3, evaluate=False, temperature=0.0, train=cfg, **kw
-    )
+    return small_run(model, out, steps=steps, save_every=save_every, prompts=3, answer_tokens=24, kind="dflash", **kw)
 
 
 def _same_trained_weights(a_dir: Path, b_dir: Path) -> None:
@@ -248,7 +195,7 @@ def test_dflash_resume_continues_exactly(tiny, tmp_path):
     from mlx_dspark.errors import UserError
     from mlx_dspark.train.pipeline import run_distill
 
-    run_distill(_small(tiny, tmp_path / "full", steps=12, save_every=4), log=_quiet)
+    run_distill(_small(tiny, tmp_path / "full", steps=12, save_every=4), log=quiet)
 
     class Stop(Exception):
         pass
@@ -258,16 +205,16 @@ def test_dflash_resume_continues_exactly(tiny, tmp_path):
             raise Stop
 
     with pytest.raises(Stop):
-        run_distill(_small(tiny, tmp_path / "cut", steps=12, save_every=4), log=_quiet, on_step=crash)
+        run_distill(_small(tiny, tmp_path / "cut", steps=12, save_every=4), log=quiet, on_step=crash)
     assert json.loads((tmp_path / "cut" / "train_state" / "state.json").read_text())["step"] == 4
     with pytest.raises(UserError, match="--resume"):
-        run_distill(_small(tiny, tmp_path / "cut", steps=12, save_every=4), log=_quiet)
+        run_distill(_small(tiny, tmp_path / "cut", steps=12, save_every=4), log=quiet)
     other = _small(tiny, tmp_path / "cut", steps=12, save_every=4, resume=True)
     other.train.layout = "deepspec"
     with pytest.raises(UserError, match="other settings"):
-        run_distill(other, log=_quiet)
+        run_distill(other, log=quiet)
     steps = []
-    run_distill(_small(tiny, tmp_path / "cut", steps=12, save_every=4, resume=True), log=_quiet, on_step=steps.append)
+    run_distill(_small(tiny, tmp_path / "cut", steps=12, save_every=4, resume=True), log=quiet, on_step=steps.append)
     assert steps == list(range(5, 13))
     _same_trained_weights(tmp_path / "full", tmp_path / "cut")
 
@@ -279,17 +226,17 @@ def test_init_from_a_zlab_drafter_keeps_its_layout_and_weights(tiny, tmp_path):
     from mlx_dspark.errors import UserError
     from mlx_dspark.train.pipeline import run_distill
 
-    run_distill(_small(tiny, tmp_path / "a", steps=6, save_every=0, export=str(tmp_path / "a_x")), log=_quiet)
+    run_distill(_small(tiny, tmp_path / "a", steps=6, save_every=0, export=str(tmp_path / "a_x")), log=quiet)
     o = _small(tiny, tmp_path / "b", steps=0, save_every=0)
     o.train.kind, o.train.layers, o.train.init_from = None, None, str(tmp_path / "a_x")
-    run_distill(o, log=_quiet)
+    run_distill(o, log=quiet)
     _assert_zlab_layout(tmp_path / "b", layers=1)
     wa, wb = mx.load(str(tmp_path / "a" / "model.safetensors")), mx.load(str(tmp_path / "b" / "model.safetensors"))
     assert wa.keys() == wb.keys() and all(mx.array_equal(wa[k], wb[k]).item() for k in wa)
     o = _small(tiny, tmp_path / "c", steps=1, save_every=0)
     o.train.kind, o.train.init_from = "dspark", str(tmp_path / "a_x")
     with pytest.raises(UserError, match="--kind dspark disagrees with --init-from"):
-        run_distill(o, log=_quiet)
+        run_distill(o, log=quiet)
     assert not (tmp_path / "c" / "samples.jsonl").exists()
 
 
@@ -302,13 +249,13 @@ def test_a_dflash_drafter_starts_from_a_dspark_drafters_backbone(tiny, tmp_path)
 
     o = _small(tiny, tmp_path / "s", steps=3, save_every=0, export=str(tmp_path / "s_x"))
     o.train.kind, o.train.markov_rank = "dspark", 8
-    run_distill(o, log=_quiet)
+    run_distill(o, log=quiet)
     ws = mx.load(str(tmp_path / "s" / "model.safetensors"))
     assert any(k.startswith("markov_head.") for k in ws)
 
     o = _small(tiny, tmp_path / "d", steps=0, save_every=0)
     o.train.layers, o.train.init_from = None, str(tmp_path / "s_x")
-    run_distill(o, log=_quiet)
+    run_distill(o, log=quiet)
     cfg = _assert_zlab_layout(tmp_path / "d", layers=1)
     src = json.loads((tmp_path / "s" / "config.json").read_text())
     assert cfg["dflash_config"] == {"mask_token_id": src["mask_token_id"], "target_layer_ids": src["target_layer_ids"]}
@@ -319,7 +266,7 @@ def test_a_dflash_drafter_starts_from_a_dspark_drafters_backbone(tiny, tmp_path)
     o = _small(tiny, tmp_path / "e", steps=1, save_every=0)
     o.train.kind, o.train.layers, o.train.init_from = "dspark", None, str(tmp_path / "d")
     with pytest.raises(UserError, match="--kind dspark disagrees with --init-from"):
-        run_distill(o, log=_quiet)
+        run_distill(o, log=quiet)
 
 
 @pytest.mark.slow
@@ -337,7 +284,7 @@ def test_a_distilled_dflash_drafter_registers_with_its_figures_and_command(train
     rule, root = trained
     drafter = tmp_path / "dflash-rule"
     shutil.copytree(root / "x", drafter)
-    acc = _accept(root / "t")["_all"]
+    acc = accept(root / "t")["_all"]
     measured = f"CPU float32: held-out accept {acc:.2f} (4 built-in prompts per domain)"
     command = f"mlx-dspark distill --model {rule} --kind dflash --steps 250 ..."
     target, _ = load_target(str(rule))
