@@ -20,6 +20,8 @@
 #                                                       # (diag_prefill_shapes.py: the prefix cache's ~100 ms floor)
 #   bash bench/h200_invariance.sh cold-diag             # a fresh process's first call per verify width, with
 #                                                       # switches (diag_cold_process.py: the cold-process gap)
+#   bash bench/h200_invariance.sh cli-cold              # a fresh `mlx-dspark generate` and `mlx_lm.generate` process,
+#                                                       # wall each, CLI_REPS (2) times; MLX's PTX directory ($OUT/cli-cold.md)
 #   bash bench/h200_invariance.sh cold                  # auto vs baseline, a fresh `generate` process per run
 #                                                       # (bench_auto_cli.py --blas asis; $OUT/cold.md)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
@@ -158,6 +160,20 @@ for step in "$@"; do
     # does MLX keep its NVRTC output between processes here? (its PTX cache: /tmp/mlx/<version>/ptx)
     { echo; echo "MLX's PTX cache after the runs:"; du -sh /tmp/mlx/*/ptx 2>&1; ls /tmp/mlx/*/ptx 2>/dev/null | wc -l; } \
       | tee -a "$OUT/cold-diag.md"; el ;;
+  cli-cold)  # a fresh CLI process as users run it, CLI_REPS times: ours (default mode) then mlx_lm.generate
+    # on the conversion ours made, one prompt, wall each ($OUT/cli-cold.md); then MLX's PTX directory
+    P=${CLI_PROMPT:-"Write a Python function that merges two sorted lists."}
+    { echo "## a fresh process per run: \`mlx-dspark generate\` against \`mlx_lm.generate\`, ${CLI_TOKENS:-192} tokens"
+      for i in $(seq "${CLI_REPS:-2}"); do
+        /usr/bin/time -f "ours generate (run $i): %e s wall" python3 -m mlx_dspark generate --prompt "$P" \
+          --max-new-tokens "${CLI_TOKENS:-192}" 2>&1 >/dev/null | grep -E "^\[|^mlx-dspark:|wall|rror" | sed 's/^/    /'
+        conv=$(ls -td "${MLX_DSPARK_CACHE:-$HOME/.cache/mlx-dspark}"/gguf/*-v*/ 2>/dev/null | head -1)
+        /usr/bin/time -f "mlx_lm.generate (run $i): %e s wall" python3 -m mlx_lm.generate --model "$conv" --prompt "$P" \
+          --max-tokens "${CLI_TOKENS:-192}" 2>&1 | grep -E "Generation:|wall|rror" | sed 's/^/    /'
+      done
+      echo; echo "MLX's PTX directory: $(ls /tmp/mlx/*/ptx 2>/dev/null | wc -l) files"
+      ls /tmp/mlx/*/ptx 2>/dev/null | sed 's/\.[a-z]*$//' | sort -u | head -40 | sed 's/^/    /'
+    } 2>&1 | tee "$OUT/cli-cold.md"; el ;;
   cold)  # issue 20's never-slower bar as a CLI user gets it: a fresh `mlx-dspark generate` process per run
     timeout "${COLD_LIMIT:-500}" python3 bench/bench_auto_cli.py --blas asis --classes "${COLD_CLASSES:-chat,code,math,copy}" \
       --reps "${COLD_REPS:-3}" --max-new-tokens "${COLD_TOKENS:-$TOKENS}" --out "$OUT/cold.md" 2>&1 | tail -30; el ;;

@@ -106,6 +106,27 @@ def test_the_probe_is_false_without_a_gpu():
     assert gs._includes_work() is False
 
 
+def test_the_probe_runs_once_per_machine_and_install_place(monkeypatch, tmp_path):
+    """The probe is an NVRTC compile (~2 s a process on the H200): its answer is kept in the cache
+    root, keyed by MLX version, device and the header's place, so a later process reads it."""
+    tried = []
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gs, "_try_include", lambda line: tried.append(line) or True)
+    try:
+        for _ in range(2):  # two "processes": the in-process memo is cleared between them
+            gs._includes_work.cache_clear()
+            assert gs._includes_work() is True
+        assert len(tried) == 1
+        moved = tmp_path / "moved"
+        moved.mkdir()
+        (moved / "ds_portable.h").write_text((gs.GPU_DIR / "ds_portable.h").read_text())
+        monkeypatch.setattr(gs, "GPU_DIR", moved)
+        gs._includes_work.cache_clear()
+        assert gs._includes_work() is True and len(tried) == 2 and str(moved) in tried[1]
+    finally:
+        gs._includes_work.cache_clear()
+
+
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="needs nvcc")
 def test_the_include_form_compiles_with_nvcc(includes, tmp_path):
     """The include form is a program a real CUDA compiler builds (nvcc, device code, sm_90)."""

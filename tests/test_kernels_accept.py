@@ -250,3 +250,58 @@ def test_reference_mode_and_fallback_warns_once(monkeypatch, ext):
         monkeypatch.undo()
         kernels.reset()
     assert _native.ext(warn=False) is not None
+
+
+def test_each_kernel_is_checked_on_its_first_use_and_falls_back_alone(monkeypatch, ext):
+    """A greedy generation compiles and checks only the greedy kernel (on CUDA each is an NVRTC
+    compile); a sampling kernel that fails its check falls back alone, with one warning naming it."""
+    import warnings
+
+    real_call = kernels._call
+
+    def broken_sampling(path, kernel, *args):
+        if kernel == "sampling_accept":
+            raise RuntimeError("does not compile here")
+        return real_call(path, kernel, *args)
+
+    kernels.reset()
+    try:
+        lg, draft = make_greedy(2, 5, 2000, mx.float32, 50)
+        got = kernels.greedy_accept(lg, draft)
+        assert set(kernels._checked) == {("native-cpu", "greedy_accept")}
+        monkeypatch.setattr(kernels, "_call", broken_sampling)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                sampled = kernels.sampling_accept(*make_sampling(2, 3, 50, 51))
+        fallback = [str(c.message) for c in caught if issubclass(c.category, _native.NativeFallbackWarning)]
+        assert len(fallback) == 1 and "sampling_accept kernel failed its self-check" in fallback[0], fallback
+        paths = kernels.kernel_paths()
+        assert paths["greedy_accept"] == "native-cpu"
+        assert paths["sampling_accept"] == "reference (self-check failed)"
+        want = greedy_accept_reference(lg, draft)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+        assert all(
+            mx.array_equal(a, b).item()
+            for a, b in zip(sampled, sampling_accept_reference(*make_sampling(2, 3, 50, 51)))
+        )
+    finally:
+        monkeypatch.undo()
+        kernels.reset()
+
+
+def test_on_cuda_only_a_long_lived_process_compiles_the_accept_kernels(monkeypatch):
+    """Each CUDA accept kernel is an NVRTC compile (~2.5 s on the H200) that saves tens of
+    microseconds a round: a one-shot run takes the references, `serve` (expect_long_run) and
+    MLX_DSPARK_KERNELS=jit take the kernels."""
+    monkeypatch.setattr(kernels, "_backend", lambda: "cuda")
+    monkeypatch.delenv("MLX_DSPARK_KERNELS", raising=False)
+    try:
+        assert kernels._path() == "reference"
+        kernels.expect_long_run()
+        assert kernels._path() == "cuda"
+        kernels.expect_long_run(False)
+        monkeypatch.setenv("MLX_DSPARK_KERNELS", "jit")
+        assert kernels._path() == "cuda"
+    finally:
+        kernels.expect_long_run(False)

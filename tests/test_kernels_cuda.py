@@ -143,12 +143,19 @@ def test_sampling_edge_cases():
     check(gpu.sampling_accept(*args), sampling_accept_reference(*args), "edge one-hot")
 
 
-def test_dispatch_picks_cuda_and_passes_self_check():
-    paths = kernels.kernel_paths()
-    assert paths["greedy_accept"] == "cuda" and paths["sampling_accept"] == "cuda"
-    lg, d = greedy_inputs(1, 8, 151936, mx.bfloat16, 31)
-    check(kernels.greedy_accept(lg, d), greedy_accept_reference(lg, d), "dispatch")
-    assert kernels._checked.get("cuda") is True
+def test_dispatch_picks_cuda_in_a_long_lived_process_and_passes_self_check(monkeypatch):
+    monkeypatch.delenv("MLX_DSPARK_KERNELS", raising=False)
+    kernels.reset()
+    assert kernels.kernel_paths()["greedy_accept"] == "reference"  # one-shot: not worth an NVRTC compile
+    kernels.expect_long_run()
+    try:
+        paths = kernels.kernel_paths()
+        assert paths["greedy_accept"] == "cuda" and paths["sampling_accept"] == "cuda"
+        lg, d = greedy_inputs(1, 8, 151936, mx.bfloat16, 31)
+        check(kernels.greedy_accept(lg, d), greedy_accept_reference(lg, d), "dispatch")
+        assert kernels._checked.get(("cuda", "greedy_accept")) is True
+    finally:
+        kernels.expect_long_run(False)
 
 
 def test_wide_gemm_numerics_on_cuda():

@@ -176,6 +176,9 @@ def run(args) -> int:
         trained = trained_window_of(args.model, dtype=args.dtype, quantize=args.quantize)
         if trained is None or trained < args.min_context_window:
             args.context_window = args.min_context_window
+    from .. import kernels
+
+    kernels.expect_long_run()  # a server earns back the accept kernels' compile (CUDA)
     target, tokenizer, drafter = load_from_args(args)
     engine = Engine(
         target,

@@ -1,14 +1,18 @@
 """Ops with a native path and a pure-MLX reference, picked per backend.
 
   greedy_accept     native primitive (CPU; Metal metallib on Apple GPUs), CUDA instance of the
-                    GPU body (mx.fast.cuda_kernel) on CUDA, the reference otherwise.
+                    GPU body (mx.fast.cuda_kernel) on CUDA in a long-lived process, the
+                    reference otherwise.
   sampling_accept   same paths.
   prefill_context   dequantize-once wide GEMM for quantized targets (pure MLX; wide_gemm.py).
 
-`MLX_DSPARK_KERNELS=reference` forces the references everywhere; `=jit` uses the
-mx.fast.metal_kernel instance on Metal instead of the metallib. Every non-reference path is
-checked once per process against the references on a small random input before first use; a
-path that fails (compile error, wrong answer) is dropped with one warning and the reference used.
+`MLX_DSPARK_KERNELS=reference` forces the references everywhere; `=jit` takes the runtime-compiled
+instances: mx.fast.metal_kernel on Metal instead of the metallib, and the CUDA instance in every
+process (by default only a process that said `expect_long_run()`, the server, compiles them on
+CUDA). Each kernel of a non-reference path is checked once per process against its reference on
+a small random input before its first use; a kernel that fails (compile error, wrong answer) is
+dropped with one warning and its reference used. Checked per kernel, not per path: on CUDA each
+kernel is an NVRTC compile of ~2.5 s (H200), and a greedy generation never needs the sampling one.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from .wide_gemm import prefill_context
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 GPU_MAX_W = 128  # widest verify block the GPU kernels take
 
-_checked: dict[str, bool] = {}
+_checked: dict[tuple[str, str], bool] = {}  # (path, kernel) -> passed its self-check
 _check_lock = threading.Lock()
 
 
@@ -41,6 +45,19 @@ def _backend() -> str:
     return "gpu"
 
 
+_long_lived = False
+
+
+def expect_long_run(on: bool = True) -> None:
+    """Say that this process serves for long (`serve` does): on CUDA the accept kernels are
+    runtime-compiled (NVRTC, ~2.5 s each on the H200, not kept across processes by MLX 0.32) to
+    save ~20 us (greedy) / ~0.65 ms (sampling) a round, which only a long-lived process earns
+    back; one-shot runs take the references there unless MLX_DSPARK_KERNELS=jit."""
+    global _long_lived
+    _long_lived = on
+    _routes.clear()
+
+
 def _path(warn: bool = True) -> str:
     """The path both accept kernels take on the default device (before the self-check)."""
     mode = _native.kernels_mode()
@@ -48,7 +65,7 @@ def _path(warn: bool = True) -> str:
         return "reference"
     backend = _backend()
     if backend == "cuda":
-        return "cuda"
+        return "cuda" if mode == "jit" or _long_lived else "reference"
     if backend == "metal":
         if mode == "jit":
             return "metal-jit"
@@ -68,25 +85,34 @@ def _call(path: str, kernel: str, *args):
     return getattr(gpu, kernel)(*args, lang="cuda" if path == "cuda" else "metal")
 
 
-def _self_check(path: str) -> bool:
-    """Run both kernels of `path` once against the references; False (and one warning) if not equal."""
+def _check_inputs(kernel: str) -> tuple:
+    """Small random inputs of `kernel` with rejections at different points in its two rows."""
+    k1, k2, k3 = mx.random.split(mx.random.key(7), 3)
+    lg = mx.random.normal((2, 5, 3001), key=k1)
+    d = mx.argmax(lg, axis=-1)[:, :4].astype(mx.int32)
+    d = mx.where(mx.arange(4)[None] == mx.array([[2], [4]]), 0, d)
+    if kernel == "greedy_accept":
+        return ((lg, d),)
+    p = mx.softmax(lg, axis=-1)
+    q = mx.softmax(mx.random.normal((2, 4, 3001), key=k2), axis=-1)
+    u = mx.random.uniform(shape=(2, 4), key=k3)
+    ub = mx.array([0.3, 0.9])
+    return tuple((p, qq, d, u, ub) for qq in (q, None))
+
+
+_REFERENCES = {"greedy_accept": greedy_accept_reference, "sampling_accept": sampling_accept_reference}
+
+
+def _self_check(path: str, kernel: str) -> bool:
+    """Run `kernel` of `path` once against its reference; False (and one warning) if not equal."""
     with _check_lock:
-        if path in _checked:
-            return _checked[path]
+        if (path, kernel) in _checked:
+            return _checked[(path, kernel)]
         try:
-            key = mx.random.key(7)
-            k1, k2, k3 = mx.random.split(key, 3)
-            lg = mx.random.normal((2, 5, 3001), key=k1)
-            d = mx.argmax(lg, axis=-1)[:, :4].astype(mx.int32)
-            d = mx.where(mx.arange(4)[None] == mx.array([[2], [4]]), 0, d)
-            got, want = _call(path, "greedy_accept", lg, d), greedy_accept_reference(lg, d)
-            p = mx.softmax(lg, axis=-1)
-            q = mx.softmax(mx.random.normal((2, 4, 3001), key=k2), axis=-1)
-            u = mx.random.uniform(shape=(2, 4), key=k3)
-            ub = mx.array([0.3, 0.9])
-            for qq in (q, None):
-                got += _call(path, "sampling_accept", p, qq, d, u, ub)
-                want += sampling_accept_reference(p, qq, d, u, ub)
+            got, want = (), ()
+            for args in _check_inputs(kernel):
+                got += tuple(_call(path, kernel, *args))
+                want += tuple(_REFERENCES[kernel](*args))
             mx.eval(got, want)
             ok = all(mx.array_equal(a, b).item() for a, b in zip(got, want))
             why = "its results differ from the reference"
@@ -94,31 +120,31 @@ def _self_check(path: str) -> bool:
             ok, why = False, f"{type(e).__name__}: {e}"
         if not ok:
             warnings.warn(
-                f"mlx-dspark: the {path} kernels failed their self-check ({why}); using the pure-MLX reference",
+                f"mlx-dspark: the {path} {kernel} kernel failed its self-check ({why}); using the pure-MLX reference",
                 _native.NativeFallbackWarning,
                 stacklevel=4,
             )
-        _checked[path] = ok
+        _checked[(path, kernel)] = ok
         return ok
 
 
-_routes: dict = {}  # (MLX_DSPARK_KERNELS, default device is CPU) -> checked path
+_routes: dict = {}  # (kernel, MLX_DSPARK_KERNELS, default device is CPU) -> checked path
 
 
-def _route() -> str:
-    """The checked path for the default device, cached (the accept kernels run every round)."""
-    key = (os.environ.get("MLX_DSPARK_KERNELS"), mx.default_device() == mx.cpu)
+def _route(kernel: str) -> str:
+    """The checked path of `kernel` on the default device, cached (the accept kernels run every round)."""
+    key = (kernel, os.environ.get("MLX_DSPARK_KERNELS"), mx.default_device() == mx.cpu)
     path = _routes.get(key)
     if path is None:
         path = _path()
-        if path != "reference" and not _self_check(path):
+        if path != "reference" and not _self_check(path, kernel):
             path = "reference"
         _routes[key] = path
     return path
 
 
-def _choose(w: int, dtype) -> str:
-    path = _route()
+def _choose(kernel: str, w: int, dtype) -> str:
+    path = _route(kernel)
     if path == "reference" or dtype not in _FLOATS or (w > GPU_MAX_W and path != "native-cpu"):
         return "reference"
     return path
@@ -127,13 +153,15 @@ def _choose(w: int, dtype) -> str:
 def kernel_paths() -> dict:
     """Which path each kernel takes on the default device (for `doctor`)."""
     path = _path(warn=False)
-    if _checked.get(path) is False:
-        path = "reference (self-check failed)"
+
+    def shown(kernel: str) -> str:
+        return "reference (self-check failed)" if _checked.get((path, kernel)) is False else path
+
     wg = wide_gemm_policy()
     return {
         "backend": _backend(),
-        "greedy_accept": path,
-        "sampling_accept": path,
+        "greedy_accept": shown("greedy_accept"),
+        "sampling_accept": shown("sampling_accept"),
         "wide_gemm": (
             f"on (>= {wg['min_rows']} rows, {wg['compute']} GEMM): {wg['why']}"
             if wg["enabled"]
@@ -152,7 +180,7 @@ def greedy_accept(logits: mx.array, draft: mx.array) -> tuple[mx.array, mx.array
     bonus = target_tokens[b, accepted[b]]. Exactly greedy_accept_reference.
     """
     B, w, V = logits.shape
-    path = _choose(w, logits.dtype)
+    path = _choose("greedy_accept", w, logits.dtype)
     if path == "reference" or B * w * V == 0 or (path != "native-cpu" and B * w > 65535):
         return greedy_accept_reference(logits, draft)
     return _call(path, "greedy_accept", logits, draft)
@@ -189,7 +217,7 @@ def sampling_accept(
     Exactly sampling_accept_reference.
     """
     B, w, V = p.shape
-    path = _choose(w, mx.float32)
+    path = _choose("sampling_accept", w, mx.float32)
     if path == "reference" or B * w * V == 0:
         return sampling_accept_reference(p, q, draft, u, u_bonus)
     return _call(path, "sampling_accept", p, q, draft, u, u_bonus)
@@ -213,6 +241,7 @@ def reset() -> None:
 __all__ = [
     "native_status",
     "reset",
+    "expect_long_run",
     "greedy_accept",
     "greedy_accept_reference",
     "kernel_paths",

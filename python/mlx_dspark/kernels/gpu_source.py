@@ -99,12 +99,28 @@ def cuda_include_header(files: tuple[str, ...]) -> str | None:
 @functools.lru_cache(maxsize=None)
 def _includes_work() -> bool:
     """Whether NVRTC, through mx.fast.cuda_kernel, compiles and runs a kernel whose header is an
-    #include of ds_portable.h (tried once per process on the GPU)."""
+    #include of ds_portable.h: tried once per machine, MLX version and install place (the probe is
+    an NVRTC compile, ~2 s a process on the H200), then read from the cache root."""
     import mlx.core as mx
+
+    from ..machine import device_name
+    from ..paths import read_fact, write_fact
 
     line = _include_line(GPU_DIR / "ds_portable.h")
     if line is None:
         return False
+    key = {"mlx": mx.__version__, "device": device_name(), "include": line}
+    known = read_fact("kernels", key)
+    if isinstance(known, bool):
+        return known
+    works = _try_include(line)
+    write_fact("kernels", key, works)
+    return works
+
+
+def _try_include(line: str) -> bool:
+    import mlx.core as mx
+
     try:
         probe = mx.fast.cuda_kernel(
             name="ds_include_probe",

@@ -24,7 +24,8 @@ _state: dict = {"tried": False, "ext": None, "reason": None, "warned": False}
 
 
 def kernels_mode() -> str:
-    """MLX_DSPARK_KERNELS: auto (default) | reference | jit (Metal: mx.fast.metal_kernel instance)."""
+    """MLX_DSPARK_KERNELS: auto (default) | reference | jit (the runtime-compiled instances: Metal's
+    mx.fast.metal_kernel, and CUDA's in every process, not only a long-lived one)."""
     mode = os.environ.get("MLX_DSPARK_KERNELS", "auto").strip().lower() or "auto"
     if mode not in ("auto", "reference", "jit"):
         raise ValueError(f"MLX_DSPARK_KERNELS={mode!r}: expected auto, reference or jit")

@@ -154,39 +154,22 @@ def _verdict_key(target, mode: str) -> dict:
 
 
 def _verdict_file(key: dict):
-    import hashlib
-    import json
+    from ..paths import fact_file
 
-    from ..paths import cache_root
-
-    h = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return cache_root() / "invariance" / f"{h}.json"
+    return fact_file("invariance", key)
 
 
 def _cached_verdict(key: dict) -> str | None:
-    import json
+    from ..paths import read_fact
 
-    try:
-        data = json.loads(_verdict_file(key).read_text())
-    except (OSError, ValueError):
-        return None
-    ok = data.get("key") == json.loads(json.dumps(key, default=str)) and data.get("verdict") in VERDICTS
-    return data["verdict"] if ok else None
+    verdict = read_fact("invariance", key)
+    return verdict if verdict in VERDICTS else None
 
 
 def _store_verdict(key: dict, verdict: str) -> None:
-    import json
-    import tempfile
+    from ..paths import write_fact
 
-    p = _verdict_file(key)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "verdict": verdict}, f, default=str)
-        os.replace(tmp, p)
-    except OSError:
-        pass  # a read-only cache: the check runs again next time
+    write_fact("invariance", key, verdict)
 
 
 VERDICTS = ("native", "kernels", "kernels+prefill", "fixed-width", "none")
