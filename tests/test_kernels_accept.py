@@ -298,6 +298,7 @@ def test_on_cuda_only_a_long_lived_process_compiles_the_accept_kernels(monkeypat
     monkeypatch.delenv("MLX_DSPARK_KERNELS", raising=False)
     try:
         assert kernels._path() == "reference"
+        assert "MLX_DSPARK_KERNELS=jit" in kernels.kernel_paths()["greedy_accept"]  # what doctor says
         kernels.expect_long_run()
         assert kernels._path() == "cuda"
         kernels.expect_long_run(False)

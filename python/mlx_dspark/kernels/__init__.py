@@ -153,6 +153,8 @@ def _choose(kernel: str, w: int, dtype) -> str:
 def kernel_paths() -> dict:
     """Which path each kernel takes on the default device (for `doctor`)."""
     path = _path(warn=False)
+    if path == "reference" and _backend() == "cuda" and _native.kernels_mode() == "auto":
+        path = "reference (CUDA compiles the kernels in `serve`, or with MLX_DSPARK_KERNELS=jit)"
 
     def shown(kernel: str) -> str:
         return "reference (self-check failed)" if _checked.get((path, kernel)) is False else path
