@@ -1,7 +1,8 @@
 """A lone request on the batching engine against the serial engine, each in a process of its own.
 
   python bench/bench_lone.py [--model M] [--dtype float32] [--modes baseline,dspark] [--tokens 128]
-                             [--procs 2] [--repeat 3] [--max-batch 4] [--control | --one-process] [--out FILE.md]
+                             [--procs 2] [--repeat 3] [--max-batch 4] [--control | --one-process]
+                             [--budget-s S] [--out FILE.md]
 
 Why: issue 18's bar "a lone request is no slower than today's serial path (>= 0.98x)". Inside
 bench_batch.py both engines share one process and one target, and there the engine created second
@@ -112,6 +113,12 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=4, help="the batching engine's --max-batch")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no new process past this many seconds; the table then holds what ran (and says so)",
+    )
+    ap.add_argument(
         "--control",
         action="store_true",
         help="both columns run the serial engine (separate processes, the same alternation): the spread of "
@@ -146,11 +153,14 @@ def main() -> int:
         + "| mode | serial best s | batched best s | batched / serial speed | runs each | same tokens and text |",
         "|---|---|---|---|---|---|",
     ]
-    bad = 0
+    bad, t0, cut = 0, time.monotonic(), False
     for mode in a.modes.split(","):
         walls: dict = {"S": [], "B": []}
         answers = []
         for k in range(2 * a.procs):
+            if a.budget_s is not None and time.monotonic() - t0 > a.budget_s:
+                cut = True
+                break
             side = ("S", "B")[k % 2] if (k // 2) % 2 == 0 else ("B", "S")[k % 2]  # S B B S S B ...
             mb = 1 if side == "S" or a.control else a.max_batch
             p = subprocess.run(
@@ -170,10 +180,15 @@ def main() -> int:
             print(f"  {mode} {side} max_batch={mb}: {min(r['walls']):.3f} s best", file=sys.stderr, flush=True)
         same = all(x == answers[0] for x in answers)
         bad += not same
-        s, b = min(walls["S"]), min(walls["B"])
-        lines.append(
-            f"| {mode} | {s:.3f} | {b:.3f} | **{s / b:.3f}x** | {len(walls['S'])} | {'yes' if same else 'NO'} |"
-        )
+        if walls["S"] and walls["B"]:
+            s, b = min(walls["S"]), min(walls["B"])
+            lines.append(
+                f"| {mode} | {s:.3f} | {b:.3f} | **{s / b:.3f}x** | {len(walls['S'])}, {len(walls['B'])} | "
+                f"{'yes' if same else 'NO'} |"
+            )
+        if cut:
+            lines.append(f"\ncut by --budget-s {a.budget_s:g} during {mode}: the modes after it did not run")
+            break
     import _package  # noqa: F401  (the installed mlx_dspark, else python/)
 
     from mlx_dspark import benchmark as bm

@@ -186,7 +186,7 @@ for step in "$@"; do
       --prompts "$C/eval" --out "$OUT/batch-h200.md" 2>&1 | tail -8; el ;;
   lone)  # the lone request: each engine in a process of its own (bench_lone.py; $OUT/lone.md)
     timeout "${LONE_LIMIT:-400}" python3 bench/bench_lone.py --dtype "${BATCH_DTYPE:-bfloat16}" \
-      --procs "${LONE_PROCS:-2}" --repeat 3 --out "$OUT/lone.md" 2>&1 | tail -10; el ;;
+      --procs "${LONE_PROCS:-2}" --repeat 3 --budget-s $(( ${LONE_LIMIT:-400} - 90 )) --out "$OUT/lone.md" 2>&1 | tail -10; el ;;
   gemma270m)
     timeout "${GEMMA_LIMIT:-400}" python3 bench/bench_sliding_real.py --gpu --dtype bfloat16 --gguf "$GEMMA" \
       --prompt-tokens 480 --new-tokens 80 2>&1 | tee "$OUT/gemma270m.txt" | tail -8
