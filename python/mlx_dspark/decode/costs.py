@@ -32,13 +32,10 @@ than it is where decode is launch-bound.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -107,12 +104,6 @@ def mode() -> str:
     return m
 
 
-def cache_dir() -> Path:
-    from ..paths import cache_root
-
-    return cache_root() / "calibration"
-
-
 def key_for(target, drafter=None) -> dict:
     from .._version import __version__
     from ..blas import active_blas
@@ -143,11 +134,6 @@ def key_for(target, drafter=None) -> dict:
         d = drafter.describe()
         key["drafter"] = {k: d.get(k) for k in ("source", "kind", "bits", "block_size", "layers", "draft_vocab")}
     return key
-
-
-def _path(key: dict) -> Path:
-    h = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return cache_dir() / f"{h}.json"
 
 
 class _Clock:
@@ -286,35 +272,25 @@ class _DraftTimer:
 
 
 def load_cached(key: dict) -> Costs | None:
-    p = _path(key)
+    from ..paths import read_fact
+
+    data = read_fact("calibration", key)
     try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-    if data.get("key") != json.loads(json.dumps(key, default=str)):
-        return None
-    try:
-        c = Costs(**{k: data[k] for k in ("widths", "t_verify", "t_draft", "key", "measured_s", "t_plain")})
-    except (KeyError, TypeError):
+        c = Costs(**{k: data[k] for k in ("widths", "t_verify", "t_draft", "measured_s", "t_plain")}, key=key)
+    except (KeyError, TypeError):  # nothing stored (None), or another layout
         return None
     c.origin = "disk"
     return c
 
 
-def store(c: Costs) -> Path | None:
-    p = _path(c.key)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(c.to_json(), f, default=str)
-        os.replace(tmp, p)
-        return p
-    except OSError:
-        return None  # a read-only cache is no reason to fail a generation
+def store(c: Costs) -> None:
+    """Keep `c` under the cache root (paths.write_fact: a read-only cache only means it is measured again)."""
+    from ..paths import write_fact
+
+    write_fact("calibration", c.key, c.to_json())
 
 
-_memo: dict[Path, Costs] = {}
+_memo: dict[str, Costs] = {}  # the key, as JSON -> its curves
 
 
 def costs_for(target, drafter=None) -> Costs | None:
@@ -324,7 +300,7 @@ def costs_for(target, drafter=None) -> Costs | None:
     if m == "off":
         return None
     key = key_for(target, drafter)
-    memo = _path(key)
+    memo = json.dumps(key, sort_keys=True, default=str)
     if m == "auto" and memo in _memo:
         return _memo[memo]
     c = load_cached(key) if m == "auto" else None
