@@ -125,12 +125,12 @@ def ours(gguf: str, out: str, chat: bool) -> None:
 
 
 def run_ours(gguf: Path, tmp_path: Path, chat: bool) -> dict:
-    from mlx_dspark.blas import find_openblas
+    from mlx_dspark.blas import find_openblas, preload_env
 
     env = dict(os.environ, MLX_DSPARK_CACHE=str(tmp_path / "cache"))
     lib = find_openblas()
     if lib and sys.platform.startswith("linux"):
-        env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+        env = preload_env(lib, env)  # a wheel OpenBLAS also needs libgfortran where the system lacks it
     out = tmp_path / "ours.npz"
     proc = subprocess.run(
         [sys.executable, __file__, str(gguf), str(out), str(int(chat))],
