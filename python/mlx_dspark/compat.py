@@ -135,7 +135,8 @@ def route_linears_to_invariant_op() -> None:
     as_linear (the tied lm_head) on the class at call time. Wrap them once so that, while
     kernels.invariant.active() is on in the calling thread, they compute through the row-invariant
     product of kernels/invariant_linear.py (where it supports the layer: affine 2/4/8-bit, float
-    weights); every other call, thread and layer kind keeps MLX's own op. mlx-lm's MoE expert
+    weights), and float layers do inside kernels.native_products.native_products() (a drafter pass
+    on the CPU); every other call, thread and layer kind keeps MLX's own op. mlx-lm's MoE expert
     layers are routed the same way (_route_experts). A quantized layer to which
     kernels/checked_qmm.py gave its own product (the instance attribute OWN_PRODUCT: MLX's is
     wrong or not reproducible for its kind on this device) computes its other calls with it."""
@@ -144,7 +145,7 @@ def route_linears_to_invariant_op() -> None:
 
     if _linear_originals is not None:
         return
-    from .kernels import invariant, invariant_linear
+    from .kernels import invariant, invariant_linear, native_products
 
     originals = {}
     for cls, attr, as_linear in (
@@ -158,6 +159,10 @@ def route_linears_to_invariant_op() -> None:
         def routed(self, x, _original=original, _as_linear=as_linear):
             if invariant.is_active():
                 y = invariant_linear.call(self, x, as_linear=_as_linear)
+                if y is not None:
+                    return y
+            elif native_products.is_on():  # a drafter pass on the CPU
+                y = native_products.linear(self, x, as_linear=_as_linear)
                 if y is not None:
                     return y
             product = vars(self).get(OWN_PRODUCT)  # MLX's product failed its load check here

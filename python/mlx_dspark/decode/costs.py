@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-VERSION = 2  # 2: t_plain, pipelined plain steps
+VERSION = 3  # 2: t_plain, pipelined plain steps; 3: a CPU drafter pass on the native kernel
 WIDTHS = (1, 2, 4, 8, 16, 32, 3, 6, 12, 24)  # doubling first, then the gaps
 CONTEXT = 16  # small: a prefill on reference BLAS runs at ~3 GFLOP/s
 BUDGET_S = 4.0

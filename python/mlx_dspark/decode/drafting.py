@@ -35,6 +35,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..errors import UserError, option
+from ..kernels.native_products import native_products
 from .lookup import NgramIndex
 from .policy import HYBRID_MIN_DEPTH, DraftPolicy, FixedPolicy
 from .proposers import Draft, Proposer
@@ -159,8 +160,9 @@ class DrafterProposer(Proposer):
         return match is not None and self.policy.worth_trying("lookup", 2 * match[1], n, match[1])
 
     def propose(self, history: Sequence[int], max_draft: int, sampling) -> Draft:
-        got = self._prepare(history, max_draft, sampling)
-        return got if isinstance(got, Draft) else self._run_pass(got)
+        with native_products():
+            got = self._prepare(history, max_draft, sampling)
+            return got if isinstance(got, Draft) else self._run_pass(got)
 
     def _run_pass(self, got: "_DrafterPass") -> Draft:
         """The Draft of one drafter pass: the compiled greedy pass where there is one, else op by op."""
@@ -209,6 +211,11 @@ class DrafterProposer(Proposer):
     def propose_rows(items: Sequence[tuple["DrafterProposer", Sequence[int], int, object]]) -> list[Draft]:
         """propose() for several generations, (proposer, history, max_draft, sampling) each: the
         rows that run the drafter share one backbone pass when they share the drafter."""
+        with native_products():
+            return DrafterProposer._propose_rows(items)
+
+    @staticmethod
+    def _propose_rows(items: Sequence[tuple["DrafterProposer", Sequence[int], int, object]]) -> list[Draft]:
         drafts: list[Draft | None] = [None] * len(items)
         pend = []
         for i, (p, history, max_draft, sampling) in enumerate(items):
@@ -343,9 +350,10 @@ class DrafterProposer(Proposer):
     def _ingest_pending(self, keep: int) -> None:
         rows = mx.concatenate(self.pending, axis=0) if len(self.pending) > 1 else self.pending[0]
         n = rows.shape[0] - keep
-        for i in range(0, n, INGEST_CHUNK):
-            self.drafter.ingest(rows[i : min(i + INGEST_CHUNK, n)], self.state)
-            mx.eval([c.state for c in self.state])
+        with native_products():
+            for i in range(0, n, INGEST_CHUNK):
+                self.drafter.ingest(rows[i : min(i + INGEST_CHUNK, n)], self.state)
+                mx.eval([c.state for c in self.state])
         self.pending = [rows[n:]] if keep else []
         self.n_pending = keep
 

@@ -27,6 +27,7 @@ from typing import Callable, Iterable
 import mlx.core as mx
 
 from ..errors import UserError, option
+from ..kernels import native_products
 
 FILE = "draft_vocab.json"
 AUTO_COVERAGE = 0.995
@@ -139,11 +140,16 @@ def row_subset(proj, ids: mx.array) -> Callable[[mx.array], mx.array]:
 
         return fq
     bias = mod.bias[ids] if "bias" in mod else None
+    mx.eval(w, *([bias] if bias is not None else []))
     wt = w.T
-    mx.eval(wt, *([bias] if bias is not None else []))
-    if bias is not None:
-        return lambda x: mx.addmm(bias, x, wt)
-    return lambda x: x @ wt
+
+    def f(x):
+        y = native_products.dense(x, w, bias)  # a drafter pass on the CPU
+        if y is not None:
+            return y
+        return x @ wt if bias is None else mx.addmm(bias, x, wt)
+
+    return f
 
 
 def expand(z: mx.array, ids: mx.array, vocab_size: int) -> mx.array:

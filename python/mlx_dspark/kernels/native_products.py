@@ -1,0 +1,90 @@
+"""The native row kernel as the drafter's matmul on the CPU: a faster product for a few rows.
+
+A drafter pass multiplies a handful of rows (the block's 7 or 15 slots, a few context rows) by
+each weight. MLX's CPU matmul hands that to BLAS sgemm, which is slow at small M: the 35 dense
+linears of the demo's 5-layer drafter over 7 rows take 24 ms through OpenBLAS and 98 ms through
+the reference BLAS that MLX's Linux wheel bundles, against 4.4-4.8 ms through the native kernel
+of kernels/invariant_linear.py (csrc/invariant_linear.cpp: one pass over each weight row for all
+rows; bench/bench_drafter_pass.py). The target's own decode already runs on that kernel.
+
+Inside `native_products()` (this thread only) float linear layers on the CPU run through it:
+compat.py's routing of nn.Linear and the embeddings' as_linear (a tied head), and `dense()` for
+the draft vocabulary's gathered heads (models/draft_vocab.py). Everywhere else, and for training
+(the native op has no gradient), MLX's own matmul runs. Drafts need no exactness (the target
+verifies every one), so this changes no output; it makes the drafter's rows independent of how
+many run together, as the target's are.
+
+With a fast BLAS a wide product (a long prompt's context rows, ingested in chunks) keeps BLAS,
+which wins there on some machines (bench/results/prefill-path: 0.55-1.02x at 32+ rows with
+OpenBLAS on an AMD EPYC); with the reference BLAS the kernel wins at every width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import mlx.core as mx
+
+MAX_ROWS_FAST_BLAS = 64  # above this many rows a fast BLAS keeps the product
+
+_local = threading.local()
+_fast_blas: list[bool] = []  # memo: whether MLX's BLAS in this process is a fast one
+
+
+@contextlib.contextmanager
+def native_products():
+    """Route float linear products through the native row kernel inside this block (this thread),
+    where the CPU runs them (`available()`)."""
+    from ..compat import route_linears_to_invariant_op
+
+    route_linears_to_invariant_op()  # the class-level routing reads the flag (idempotent)
+    prev = getattr(_local, "on", False)
+    _local.on = available()
+    try:
+        yield
+    finally:
+        _local.on = prev
+
+
+def is_on() -> bool:
+    return getattr(_local, "on", False)
+
+
+def available() -> bool:
+    """The native kernel computes this device's dense products: the CPU, with the extension built."""
+    from . import invariant_linear
+
+    return invariant_linear.linear_path() == "native"
+
+
+def _takes(rows: int) -> bool:
+    if rows <= MAX_ROWS_FAST_BLAS:
+        return True
+    if not _fast_blas:
+        from ..blas import fast_blas
+
+        _fast_blas.append(fast_blas())
+    return not _fast_blas[0]
+
+
+def linear(layer, x: mx.array, as_linear: bool = False) -> mx.array | None:
+    """The layer's product through the native kernel, or None (MLX's op runs): a quantized layer,
+    a dtype the kernel does not take, or a wide product with a fast BLAS."""
+    if not _takes(x.size // max(1, x.shape[-1])):
+        return None
+    from . import invariant_linear
+
+    return invariant_linear.call(layer, x, as_linear=as_linear)
+
+
+def dense(x: mx.array, weight: mx.array, bias: mx.array | None = None) -> mx.array | None:
+    """x @ weight.T (+ bias) through the native kernel inside native_products(), else None."""
+    if not is_on() or not _takes(x.size // max(1, x.shape[-1])):
+        return None
+    from . import invariant_linear
+
+    return invariant_linear.dense(x, weight, bias)
+
+
+__all__ = ["MAX_ROWS_FAST_BLAS", "available", "dense", "is_on", "linear", "native_products"]
