@@ -15,8 +15,9 @@ verifies every one), so this changes no output; it makes the drafter's rows inde
 many run together, as the target's are.
 
 With a fast BLAS a wide product (a long prompt's context rows, ingested in chunks) keeps BLAS,
-which wins there on some machines (bench/results/prefill-path: 0.55-1.02x at 32+ rows with
-OpenBLAS on an AMD EPYC); with the reference BLAS the kernel wins at every width.
+which wins there on some machines (bench/results/invariance-cpu.md, kernel prefill: the kernel at
+1.02x OpenBLAS's speed at 32 rows, 0.66x at 256, 0.55x at 1024, on an AMD EPYC); with the reference
+BLAS the kernel wins at every width.
 """
 
 from __future__ import annotations
