@@ -11,6 +11,7 @@ import pytest
 from drafter_fixtures import workspace
 
 import mlx_dspark as md
+from mlx_dspark.compat import route_linears_to_invariant_op
 from mlx_dspark.decode.drafting import DrafterProposer
 from mlx_dspark.kernels import native, native_products
 from mlx_dspark.models.drafters import load_drafter
@@ -46,6 +47,7 @@ def calls(monkeypatch):
 
 
 def _pair(dkey: str, draft_vocab=None):
+    route_linears_to_invariant_op()  # what DrafterProposer installs; these tests call the drafter itself
     ws = workspace()
     target, tok = md.load_target(str(ws["target_qwen3"]), dtype="float32")
     d = load_drafter(str(ws[dkey]), target, bits=16)

@@ -115,6 +115,9 @@ class DrafterProposer(Proposer):
         self.lookup_drafts = bool(lookup_drafts)
         self._policy = policy
         self._reset()
+        from ..compat import route_linears_to_invariant_op
+
+        route_linears_to_invariant_op()  # how nn.Linear takes a CPU pass's native products (once)
 
     def _reset(self) -> None:
         self.state = None

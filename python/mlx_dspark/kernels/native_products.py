@@ -36,10 +36,8 @@ _fast_blas: list[bool] = []  # memo: whether MLX's BLAS in this process is a fas
 @contextlib.contextmanager
 def native_products():
     """Route float linear products through the native row kernel inside this block (this thread),
-    where the CPU runs them (`available()`)."""
-    from ..compat import route_linears_to_invariant_op
-
-    route_linears_to_invariant_op()  # the class-level routing reads the flag (idempotent)
+    where the CPU runs them (`available()`). nn.Linear reads the flag through compat.py's routing,
+    which the caller installs once (compat.route_linears_to_invariant_op)."""
     prev = getattr(_local, "on", False)
     _local.on = available()
     try:
