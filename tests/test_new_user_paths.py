@@ -49,7 +49,8 @@ def demo_folder(tmp_path_factory):
 
 @needs_demo
 def test_python_auto_resolves_the_registry_like_the_cli(demo_folder, monkeypatch):
-    monkeypatch.setenv(*next(iter(NO_CALIBRATION.items())))
+    for k, v in NO_CALIBRATION.items():
+        monkeypatch.setenv(k, v)
     t, tok = load_target(str(demo_folder))
     auto = generate(t, tok, "Why is the sky blue?", max_new_tokens=12)
     assert auto.mode == "dspark"  # the registered drafter, as the CLI's auto picks it
