@@ -50,7 +50,10 @@ def _demo_drafter(demo: dict) -> str:
     pairs = pairs_for_name(str(demo.get("name", "")))
     if not pairs:
         return "no drafter registered (auto = lookup)"
-    return f"its registered {pairs[0].kind} drafter runs in auto mode ({_drafter_cell(pairs[0].drafter)})"
+    auto = next((p for p in pairs if p.kind == "dspark"), pairs[0])  # as drafters.resolve_drafter orders them
+    line = f"its registered {auto.kind} drafter runs in auto mode ({_drafter_cell(auto.drafter)})"
+    others = [p for p in pairs if p.kind != auto.kind]
+    return line + "".join(f", its {p.kind} drafter with --mode {p.kind} ({_drafter_cell(p.drafter)})" for p in others)
 
 
 def run(args) -> int:

@@ -63,10 +63,11 @@ QWEN3_14B = Shape(_QWEN3, 5120, 40, 151936)
 GEMMA4_12B = Shape(_GEMMA4, 3840, 48, 262144)
 LLAMA31_8B = Shape(("llama",), 4096, 32, 128256)
 SMOLLM2_135M = Shape(("llama",), 576, 30, 49152)
-# Our own reference drafter, distilled with `mlx-dspark distill`, shipped in the package (its README
-# holds how it was trained).
+# Our own reference drafters for the demo target, distilled with `mlx-dspark distill`, shipped in the
+# package (each folder's README holds how it was trained).
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SMOLLM2_DSPARK = str(ASSETS / "dspark-smollm2-135m-instruct")
+SMOLLM2_DFLASH = str(ASSETS / "dflash-smollm2-135m-instruct")
 PAIR_FILE = "pair.json"
 ENV = "MLX_DSPARK_PAIRS"
 
@@ -90,6 +91,23 @@ _OURS: tuple[Pair, ...] = (
         note="the demo target's drafter (mlx-dspark distill; its README says how it "
         "was trained); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's",
         accept=(("humaneval", 3.20), ("mbpp", 3.51), ("mt-bench", 2.32)),
+    ),
+    # Auto tries DSpark pairs first (drafters.resolve_drafter); --mode dflash takes this one.
+    Pair(
+        "smollm2-135m-instruct",
+        "dflash",
+        SMOLLM2_DFLASH,
+        "mlx-dspark (distill)",
+        "zlab-dflash",
+        15,
+        SMOLLM2_135M,
+        measured="CPU float32: accept 2.72 humaneval, 2.79 mbpp, 2.17 mt-bench (full block, 8-bit drafter) "
+        "(bench/results/dflash-cpu.md)",
+        reproduce="python bench/bench_dflash.py --dtype float32 --drafter "
+        "python/mlx_dspark/assets/dflash-smollm2-135m-instruct --samples 10 --max-new-tokens 128",
+        note="the demo target's DFlash drafter (mlx-dspark distill --kind dflash; its README says how it "
+        "was trained); z-lab layout, block 16, 5 layers stored 8-bit, embed/lm_head bound to the target's",
+        accept=(("humaneval", 2.72), ("mbpp", 2.79), ("mt-bench", 2.17)),
     ),
 )
 _PUBLISHED: tuple[Pair, ...] = (
