@@ -29,7 +29,9 @@
 #   SmolLM2-135M-Instruct.Q4_1.gguf  the demo model
 #   eval/                            shared/data/prompts/eval (844 KB)
 #   train/                           shared/data/prompts/train: arena-hard-v2, gsm8k, lbpp, livecodebench
-#                                    (3.4 MB as is; 1.1 MB as train.tar.gz: either is read)
+#                                    (3.4 MB as is; 1.1 MB as train.tar.gz: either is read). The shipped
+#                                    drafter's set also held arena-hard-v2.again.jsonl, a copy: chat x2
+#                                    (`setup gen`, `train`, `more` with ANSWERS=4: dflash-h200.md)
 # The steps are bench/h200_distill_lib.sh's. CPU rehearsal (tiny; INIT= for a random init):
 #   C=DIR DTYPE=float32 BUDGET=150 MAX_PROMPTS=4 ANSWER_TOKENS=16 SAMPLES=1 EVAL_TOKENS=16 GEN_BATCH=4 ANSWERS=1 \
 #   TRAIN="--batch-size 2 --anchors 4 --train-vocab auto" bash bench/h200_distill_dflash.sh run

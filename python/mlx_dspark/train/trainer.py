@@ -46,6 +46,7 @@ from ..models.dspark import DSparkModel
 from . import checkpoint as ck
 from . import data as D
 from .batches import Batches, make_batch
+from .budget import StepBudget
 from .forward import block_hidden
 from .losses import LossWeights, TrainVocab, block_loss
 
@@ -496,7 +497,9 @@ def train(
 
     t_start = time.perf_counter()
     prog = Progress(total)
-    tokens_seen, start_step, calib_t, skipped = 0, step, None, 0
+    tokens_seen, start_step, skipped = 0, step, 0
+    # The step count fitted to a time budget (train/budget.py); a resumed run keeps its schedule.
+    fit = StepBudget(cfg.train_seconds, step, total, t_start) if cfg.train_seconds and not resume else None
     metrics: dict = {}
     with StopRequest() as stop:
         while step < total and not stop.requested:
@@ -549,20 +552,14 @@ def train(
                     }
                 )
             prog.update(step, metrics, tokens_seen, start_step, force=step == total)
-            # Fit the step count to a time budget once the speed is known (kernels are warm by then).
-            if cfg.train_seconds and step == start_step + 5:
-                calib_t = time.perf_counter()
-            if cfg.train_seconds and calib_t and step == start_step + 25 and not resume:
-                dt = (time.perf_counter() - calib_t) / 20
-                left = cfg.train_seconds - (time.perf_counter() - t_start)
-                new_total = min(total, step + max(int(left / dt), 0))
-                if new_total != total:
-                    say(
-                        f"\ndistill: {dt * 1000:.0f} ms/step: {new_total} steps fit in --train-seconds "
-                        f"{cfg.train_seconds:.0f}"
-                    )
-                    total = new_total
-                    prog.total = total
+            new_total = fit.after(step, time.perf_counter()) if fit is not None else None
+            if new_total is not None and new_total != total:
+                say(
+                    f"\ndistill: {fit.ms_per_step:.0f} ms/step: {new_total} steps fit in --train-seconds "
+                    f"{cfg.train_seconds:.0f}"
+                )
+                total = new_total
+                prog.total = total
             if cfg.save_every and step % cfg.save_every == 0 and step < total:
                 checkpoint()
         prog.close()
