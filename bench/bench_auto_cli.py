@@ -19,9 +19,11 @@ Bar: auto >= 0.97x baseline in every class, on both BLAS settings.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,6 +118,7 @@ def main() -> int:
     )
     for setting in settings:
         cache = tempfile.mkdtemp(prefix="mlx-dspark-bench-cache-")
+        atexit.register(shutil.rmtree, cache, True)  # a converted demo model: ~600 MB
         env = dict(os.environ, MLX_DSPARK_CACHE=cache)
         if setting != "asis":
             env.pop("LD_PRELOAD", None)

@@ -10,8 +10,10 @@ both back from disk in a second process. Bar: <= 5 s each, reused on the next st
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,9 @@ def main() -> int:
     a = ap.parse_args()
     from mlx_dspark.benchmark import cpu_name, emit
 
-    env = dict(os.environ, MLX_DSPARK_CACHE=tempfile.mkdtemp(prefix="mlx-dspark-calib-"), MLX_DSPARK_CALIBRATION="auto")
+    cache = tempfile.mkdtemp(prefix="mlx-dspark-calib-")
+    atexit.register(shutil.rmtree, cache, True)  # a converted model: ~600 MB
+    env = dict(os.environ, MLX_DSPARK_CACHE=cache, MLX_DSPARK_CALIBRATION="auto")
     runs = []
     for _ in range(2):
         p = subprocess.run(

@@ -33,7 +33,9 @@ invariant path.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -360,6 +362,7 @@ def main() -> int:
 
     flush()
     root = Path(tempfile.mkdtemp(prefix="family-identity-"))
+    atexit.register(shutil.rmtree, root, True)
     failed, skipped = [], []
     for name in names:
         try:

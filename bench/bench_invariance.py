@@ -17,8 +17,10 @@ Every run also writes its counts next to --out (FILE.json), which --merge sums o
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -95,6 +97,7 @@ def main() -> int:
     prompts = [p for i, p in enumerate(eval_prompts(Path(args.prompts), args.n)) if i % s == k]
     modes = [m for m in args.modes.split(",") if m and m != "baseline"]
     tmp = Path(tempfile.mkdtemp(prefix="inv-bench-"))
+    atexit.register(shutil.rmtree, tmp, True)
     drafters = {}
     if "dflash" in modes:
         drafters["dflash"] = drafter_for(target, "dflash", str(fixture_dflash(target, tmp)))

@@ -12,10 +12,12 @@ engine still serves one request at a time (batching comes later), so queueing sh
 from __future__ import annotations
 
 import argparse
+import atexit
 import http.client
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def start_server(model: str, mode: str, extra: list[str]) -> tuple[subprocess.Popen, int, str]:
     run = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    atexit.register(shutil.rmtree, run, True)
     run.chmod(0o700)
     env = dict(os.environ, XDG_RUNTIME_DIR=str(run), PYTHONPATH=str(ROOT / "python"))
     env.pop("MLX_DSPARK_API_KEY", None)
@@ -165,7 +168,9 @@ def main() -> int:
         sys.path.insert(0, str(ROOT / "tests"))
         from fixtures import write_model
 
-        path = Path(tempfile.mkdtemp(prefix="bench-model-")) / "fixture-qwen3"
+        scratch = Path(tempfile.mkdtemp(prefix="bench-model-"))
+        atexit.register(shutil.rmtree, scratch, True)
+        path = scratch / "fixture-qwen3"
         heads = max(4, args.fixture_hidden // 64)
         write_model(
             path,

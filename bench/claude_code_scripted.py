@@ -19,8 +19,10 @@ the file before and after. Exit status 0 when the file was edited.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -80,6 +82,7 @@ def main() -> int:
     from fixtures import write_model
 
     tmp = Path(tempfile.mkdtemp(prefix="cc-scripted-"))
+    atexit.register(shutil.rmtree, tmp, True)
     model = write_model(tmp / "tiny-smol", "qwen3")
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     cfg["chat_template"] = SMOL_TEMPLATE

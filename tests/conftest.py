@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -27,7 +29,9 @@ USER_CACHE = _cache_root()
 _found = _demo.find_demo_gguf()
 if _found is not None:
     os.environ[_demo.ENV_PATH] = str(_found[0])
-os.environ["MLX_DSPARK_CACHE"] = tempfile.mkdtemp(prefix="mlx-dspark-test-cache-")
+_TEST_CACHE = tempfile.mkdtemp(prefix="mlx-dspark-test-cache-")
+atexit.register(shutil.rmtree, _TEST_CACHE, True)  # each test process (xdist worker) removes its own
+os.environ["MLX_DSPARK_CACHE"] = _TEST_CACHE
 # The width-invariance verdict is measured at every load in tests (tests patch the check); its disk
 # cache has its own test (tests/test_invariant_forward.py).
 os.environ["MLX_DSPARK_INVARIANT_CACHE"] = "off"

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from fixtures import _trained_tokenizer_json, write_model, write_tokenizer
+from fixtures import _trained_tokenizer_json, scratch_dir, write_model, write_tokenizer
 from safetensors.numpy import load_file, save_file
 
 
@@ -483,9 +483,7 @@ def workspace() -> dict:
     """All fixture checkpoints, written once per test process into a temp folder."""
     if _WORKSPACE:
         return _WORKSPACE
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="mlx-dspark-drafters-"))
+    root = scratch_dir("mlx-dspark-drafters-")
     tq = write_model(root / "target-qwen3", "qwen3", layers=4, hidden=64, seed=3)
     tg = write_gemma4_target(root / "target-gemma4", seed=4)
     tp, f = write_perm_target(root / "target-perm")

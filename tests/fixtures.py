@@ -6,12 +6,23 @@ model.safetensors + tokenizer.json / tokenizer_config.json (with a chat template
 
 from __future__ import annotations
 
+import atexit
 import json
 import shutil
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder that lives as long as the test process (module-level fixtures are written
+    once per process) and is removed when it exits: test runs leave nothing in /tmp."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
 
 CORPUS = """
 The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.

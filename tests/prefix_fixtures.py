@@ -7,11 +7,8 @@ output when an early prompt token changes (tests check that premise), with a DSp
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 from drafter_fixtures import target, write_deepspec
-from fixtures import write_model
+from fixtures import scratch_dir, write_model
 
 _PAIR: dict = {}
 
@@ -21,7 +18,7 @@ def context_pair():
     if not _PAIR:
         from mlx_dspark.models.drafters import load_drafter
 
-        root = Path(tempfile.mkdtemp(prefix="mlx-dspark-prefix-models-"))
+        root = scratch_dir("mlx-dspark-prefix-models-")
         tdir = write_model(root / "target", "qwen3", layers=3, hidden=64, seed=11, scale=3.0, tie=False)
         t, tok = target(tdir)
         _PAIR.update(t=t, tok=tok, d=load_drafter(str(write_deepspec(root / "dspark", tdir)), t, bits=16))

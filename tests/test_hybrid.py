@@ -6,14 +6,12 @@ layouts (tests/family_fixtures.py) and loaded as a user's folder is, CPU float32
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from drafter_fixtures import write_deepspec, write_zlab
 from family_fixtures import text_view, write_family
+from fixtures import scratch_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_loop import _ScriptedProposer, independent_greedy
@@ -24,7 +22,7 @@ from mlx_dspark.models import hybrid
 from mlx_dspark.models.drafters import load_drafter
 
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-_ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-hybrid-"))
+_ROOT = scratch_dir("mlx-dspark-hybrid-")
 _LOADED: dict = {}
 
 

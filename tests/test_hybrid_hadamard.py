@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from fixtures import scratch_dir
 from ternary_fixtures import write_ternary
 
 import mlx_dspark as md
@@ -21,7 +20,7 @@ from mlx_dspark.kernels import invariant
 from mlx_dspark.kernels import invariant_linear as il
 
 SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
-_ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-hadamard-"))
+_ROOT = scratch_dir("mlx-dspark-hadamard-")
 
 
 def _pack(dtype="float32"):

@@ -12,14 +12,13 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import kernel_text as kt
 import mlx.core as mx
 import numpy as np
 import pytest
 from family_fixtures import write_family
+from fixtures import scratch_dir
 
 import mlx_dspark as md
 from mlx_dspark import blas
@@ -29,7 +28,7 @@ from mlx_dspark.kernels import invariant_masked as im
 
 SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
 SHAPES = [(1, 4, 6, 2, 13, 32), (1, 8, 16, 1, 300, 64), (2, 4, 3, 4, 9, 128), (1, 2, 8, 1, 140, 256)]
-_ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-masked-"))
+_ROOT = scratch_dir("mlx-dspark-masked-")
 
 
 def case(B, H, w, Hkv, L, D, dtype, i):

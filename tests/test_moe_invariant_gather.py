@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
-from pathlib import Path
 
 import kernel_text as kt
 import mlx.core as mx
 import pytest
 from family_fixtures import write_family
+from fixtures import scratch_dir
 from forward_rows import first_moving_op
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear
 
@@ -31,7 +30,7 @@ DTYPES = [mx.float32, mx.bfloat16, mx.float16]
 DT_IDS = ["f32", "bf16", "f16"]
 QUANTS = [(b, g) for b in il.BITS for g in il.GROUPS]
 MAX_T = 17
-_ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-moe-gather-"))
+_ROOT = scratch_dir("mlx-dspark-moe-gather-")
 
 
 def rand(shape, dtype, i, scale=1.0):

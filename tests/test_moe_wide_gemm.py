@@ -7,13 +7,11 @@ generation, token-identical to mlx-lm."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from family_fixtures import write_family
+from fixtures import scratch_dir
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, _gather_sort
 from test_loop import independent_greedy
 
@@ -22,7 +20,7 @@ from mlx_dspark import kernels
 from mlx_dspark.kernels import wide_gemm as wg
 
 ON = {"enabled": True, "min_rows": 16, "compute": "model", "why": "test", "experts": True}
-_ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-moe-"))
+_ROOT = scratch_dir("mlx-dspark-moe-")
 
 
 def same(a, b, tol=1e-5) -> bool:

@@ -6,10 +6,10 @@ keeps only a prompt's whole chunks of the grid; tests/test_prefix_cache_bitwise.
 from __future__ import annotations
 
 import json
-import tempfile
 
 import pytest
 from drafter_fixtures import target, workspace
+from fixtures import scratch_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prefix_fixtures import context_pair
@@ -73,7 +73,7 @@ turn = st.tuples(
 )
 def test_warm_equals_cold(turns, slots, spill, tiny_ram):
     t, tok, d = context_pair()  # a target that reads its context: a wrong cache shows
-    spill_dir = tempfile.mkdtemp(prefix="prefix-spill-") if spill else None
+    spill_dir = str(scratch_dir("prefix-spill-")) if spill else None
 
     def fresh():
         return PrefixCache(t, slots=slots, max_ram_mb=0.01 if tiny_ram else None, spill_dir=spill_dir)

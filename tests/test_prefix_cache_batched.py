@@ -7,10 +7,10 @@ short prompts have whole chunks to reuse (an entry keeps only a prompt's whole c
 
 from __future__ import annotations
 
-import tempfile
 import time
 
 import pytest
+from fixtures import scratch_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prefix_fixtures import context_pair
@@ -106,7 +106,7 @@ def _on_disk(pc, prompt) -> bool:
 )
 def test_batched_warm_turns_equal_cold_runs(rounds, mode, slots, tiny_ram):
     t, tok, d = _pair()
-    spill = tempfile.mkdtemp(prefix="prefix-batched-")
+    spill = str(scratch_dir("prefix-batched-"))
 
     def fresh():
         return PrefixCache(t, slots=slots, max_ram_mb=0.01 if tiny_ram else None, spill_dir=spill)
@@ -150,7 +150,7 @@ def test_rows_reuse_spilled_entries_after_a_restart():
     equal cold runs; the third reuses only what it shares with them (the chat template's opening)
     and equals a cold run too."""
     t, tok, d = _pair()
-    spill = tempfile.mkdtemp(prefix="prefix-batched-")
+    spill = str(scratch_dir("prefix-batched-"))
     convs = [encode_prompt(tok, p) for p in ("the fox and the weather", "print x = x + 1", "hello world repeat")]
     pc = PrefixCache(t, slots=1, spill_dir=spill)
     eng = _engine(t, tok, d, "dspark", pc)

@@ -7,14 +7,12 @@ is much shorter than the conversations, loaded from disk as a user's folder is, 
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
 from drafter_fixtures import write_deepspec, write_zlab
 from family_fixtures import text_view, write_family
+from fixtures import scratch_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_loop import _ScriptedProposer, independent_greedy
@@ -25,7 +23,7 @@ from mlx_dspark.models import hybrid, sliding
 from mlx_dspark.models.drafters import load_drafter
 
 WINDOW = 8
-_ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-rotating-"))
+_ROOT = scratch_dir("mlx-dspark-rotating-")
 _LOADED: dict = {}
 
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from drafter_fixtures import write_deepspec, write_zlab
 from family_fixtures import text_view
+from fixtures import scratch_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ternary_fixtures import write_one_bit, write_ternary
@@ -23,7 +22,7 @@ import mlx_dspark as md
 from mlx_dspark.errors import UserError
 from mlx_dspark.models.drafters import load_drafter
 
-_ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-ternary-"))
+_ROOT = scratch_dir("mlx-dspark-ternary-")
 _LOADED: dict = {}
 
 

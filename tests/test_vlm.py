@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,10 +28,11 @@ from mlx_dspark.models import vlm
 from mlx_dspark.models.drafters import load_drafter
 
 pytest.importorskip("mlx_vlm")
+from fixtures import scratch_dir
 from vlm_fixtures import write_vlm_gemma  # noqa: E402
 
 WINDOW = 8
-_ROOT = Path(tempfile.mkdtemp(prefix="mlx-dspark-vlm-"))
+_ROOT = scratch_dir("mlx-dspark-vlm-")
 _LOADED: dict = {}
 
 
