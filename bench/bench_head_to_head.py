@@ -14,6 +14,10 @@ ratio to baseline over all prompts, and the per-domain table shows each drafter 
 decode tok/s, mean acceptance (accepted + 1 per round) and the ratio to plain decoding. Free
 n-gram lookup drafts are off for both: the figures are the drafters' own.
 On Linux CPU preload OpenBLAS (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0).
+On the H200 (MLX CUDA, the carry set of bench/h200_distill_dflash.sh in $C; both shipped drafters
+travel in the tree): `source bench/h200_wheels.sh; PYTHONPATH=/tmp/site:python python3
+bench/bench_head_to_head.py --model $C/SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16 --eval-dir
+$C/eval --dflash-caps 4,6,8,0` (drafter bits auto: 4 on a GPU).
 """
 
 from __future__ import annotations
