@@ -25,6 +25,7 @@ import time
 import _package  # noqa: F401  (the installed mlx_dspark, else python/)
 import mlx.core as mx
 import mlx.nn as nn
+from bench_kernels import time_sync
 
 from mlx_dspark import benchmark as bm
 from mlx_dspark.api import generate
@@ -44,16 +45,6 @@ class Switch:
         native_products.available = self._available if on else (lambda: False)
 
 
-def median_ms(f, reps: int) -> float:
-    mx.eval(f())
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(f())
-        out.append(time.perf_counter() - t)
-    return statistics.median(out) * 1e3
-
-
 def products(drafter, reps: int) -> list[str]:
     weights = [
         m.weight for _, m in drafter.model.named_modules() if isinstance(m, nn.Linear) and m.weight.shape[0] < 8192
@@ -68,7 +59,7 @@ def products(drafter, reps: int) -> list[str]:
         with native_products.native_products():
             return [native_products.dense(x, w) for x, w in zip(xs, weights)]
 
-    a, b = median_ms(mlx_op, reps), median_ms(native, reps)
+    a, b = time_sync(mlx_op, reps) * 1e3, time_sync(native, reps) * 1e3
     return [
         f"| {len(weights)} dense linears (backbone, fc, confidence head), 7 rows | {a:.2f} | {b:.2f} | {a / b:.2f}x |"
     ]

@@ -45,12 +45,12 @@ def _drafter_cell(path: str) -> str:
 
 
 def _demo_drafter(demo: dict) -> str:
-    from ..models.registry import pairs_for_name
+    from ..models.registry import AUTO_KINDS, pairs_for_name
 
     pairs = pairs_for_name(str(demo.get("name", "")))
     if not pairs:
         return "no drafter registered (auto = lookup)"
-    auto = next((p for p in pairs if p.kind == "dspark"), pairs[0])  # as drafters.resolve_drafter orders them
+    auto = min(pairs, key=lambda p: AUTO_KINDS.index(p.kind))  # the first pair auto tries
     line = f"its registered {auto.kind} drafter runs in auto mode ({_drafter_cell(auto.drafter)})"
     others = [p for p in pairs if p.kind != auto.kind]
     return line + "".join(f", its {p.kind} drafter with --mode {p.kind} ({_drafter_cell(p.drafter)})" for p in others)

@@ -208,7 +208,7 @@ def resolve_drafter(
                 f"({d.packaging}); use {option('mode', d.kind)} or {option('mode', 'auto')}"
             )
         return d
-    kinds = ("dspark", "dflash") if mode == "auto" else (mode,)
+    kinds = registry.AUTO_KINDS if mode == "auto" else (mode,)
     failures = []
     for kind in kinds:
         for pair in registry.pairs_for(target, kind):

@@ -69,6 +69,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SMOLLM2_DSPARK = str(ASSETS / "dspark-smollm2-135m-instruct")
 SMOLLM2_DFLASH = str(ASSETS / "dflash-smollm2-135m-instruct")
 PAIR_FILE = "pair.json"
+AUTO_KINDS = ("dspark", "dflash")  # the order in which --mode auto tries a target's registered drafters
 ENV = "MLX_DSPARK_PAIRS"
 
 _DEEPSEEK = "DeepSeek (DeepSpec)"
@@ -92,7 +93,7 @@ _OURS: tuple[Pair, ...] = (
         "was trained); 5 layers stored 8-bit, Markov rank 48, embed/lm_head bound to the target's",
         accept=(("humaneval", 3.20), ("mbpp", 3.51), ("mt-bench", 2.32)),
     ),
-    # Auto tries DSpark pairs first (drafters.resolve_drafter); --mode dflash takes this one.
+    # Auto tries DSpark pairs first (AUTO_KINDS); --mode dflash takes this one.
     Pair(
         "smollm2-135m-instruct",
         "dflash",
