@@ -13,6 +13,9 @@ writes more prompt files in the `{"turns": [...]}` format of shared/data/prompts
   docstring, asked for in the ways users ask for code (a stub to complete, "write a function
   to ...", a named function with its signature);
 - `code-packages.jsonl` (with `--packages numpy ...`): the same from installed packages;
+- `code-files.jsonl` (with `--code-files N`): excerpts of those source files (12-48 lines from a
+  `def`, `class` or decorator line) to continue: for a base model fed raw code (`--raw-code`), real
+  code of every kind rather than one stub after another;
 - `chat-topics.jsonl`: writing, explaining, advising, comparing and role-play requests over a
   list of everyday and academic topics;
 - `chat-kinds.jsonl` (with `--chat-kinds N`): role-play, reasoning puzzles, school mathematics,
@@ -478,6 +481,29 @@ def functions(files: list[Path]):
             yield node.name, sig, ret, doc
 
 
+def file_excerpts(n: int, rng: random.Random, files: list[Path]) -> list[str]:
+    """`n` requests to continue an excerpt of a source file: 12-48 lines from the start of a
+    definition (def, class or decorator line), 200-2500 characters, no two alike."""
+    texts = []
+    for f in files:
+        try:
+            texts.append(f.read_text(encoding="utf-8").splitlines())
+        except (UnicodeDecodeError, ValueError):
+            continue
+    starts = [(t, i) for t in texts for i, ln in enumerate(t) if ln.lstrip().startswith(("def ", "class ", "@"))]
+    rng.shuffle(starts)
+    seen, out = set(), []
+    for lines, i in starts:
+        excerpt = "\n".join(lines[i : i + rng.randint(12, 48)]).rstrip()
+        if not 200 <= len(excerpt) <= 2500 or excerpt in seen:
+            continue
+        seen.add(excerpt)
+        out.append(f"Continue this Python source file.\n```python\n{excerpt}\n```")
+        if len(out) >= n:
+            break
+    return out
+
+
 def code_prompts(n: int, rng: random.Random, files: list[Path]) -> list[str]:
     seen, out = set(), []
     fns = list(functions(files))
@@ -533,6 +559,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="prompts of the other chat kinds (bench/chat_prompts.py), in chat-kinds.jsonl (default 0)",
     )
+    ap.add_argument(
+        "--code-files",
+        type=int,
+        default=0,
+        help="excerpts of source files to continue, in code-files.jsonl (default 0)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--packages",
@@ -551,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if a.packages:
         files.append(("code-packages", code_prompts(a.code, random.Random(a.seed + 2), package_files(a.packages))))
+    if a.code_files:
+        sources = stdlib_files() + (package_files(a.packages) if a.packages else [])
+        files.append(("code-files", file_excerpts(a.code_files, random.Random(a.seed + 4), sources)))
     if a.chat_kinds:
         files.append(("chat-kinds", kind_prompts(a.chat_kinds, random.Random(a.seed + 3), TOPICS)))
     for name, texts in files:

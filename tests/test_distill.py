@@ -18,6 +18,8 @@ import pytest
 from distill_fixtures import FAST, TINY, accept, assert_same_trained_weights, cli, distill_main, quiet, small_run
 from fixtures import write_model
 
+from mlx_dspark.errors import UserError
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
@@ -139,6 +141,66 @@ def test_batched_answers_equal_one_at_a_time_greedy_and_stop_at_their_stop_token
     got = D.answer_batch(m, prompts, 24, make_sampler(temp=0.0), stops)
     assert got == want
     assert D.answer_batch(m, prompts, 24, make_sampler(temp=0.0), set()) == free
+
+
+def test_answers_end_where_they_start_to_loop(tiny):
+    """--cut-loops N: an answer ends before the third occurrence of one of its N-grams (its first
+    two kept), in the batch exactly as one at a time; an answer that never loops is untouched;
+    the data key changes with it, and never for runs without it."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_dspark.models.loading import load_target
+    from mlx_dspark.train import data as D
+
+    target, _ = load_target(str(tiny))
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, target.vocab_size - 8, size=int(n)).tolist() for n in rng.integers(3, 30, size=12)]
+    greedy = make_sampler(temp=0.0)
+    free = D.answer_batch(target.model, prompts, 48, greedy, set())
+    n = 3
+
+    def first_third(ans):  # reference: the start of the first third occurrence of an n-gram
+        seen = {}
+        for i in range(len(ans) - n + 1):
+            g = tuple(ans[i : i + n])
+            seen[g] = seen.get(g, 0) + 1
+            if seen[g] == 3:
+                return i
+        return None
+
+    cuts = [first_third(a) for a in free]
+    assert any(c is not None for c in cuts) and any(c is None for c in cuts), cuts  # the fixture loops, sometimes
+    got = D.answer_batch(target.model, prompts, 48, greedy, set(), cut_loops=n)
+    assert got == [a if c is None else a[:c] for a, c in zip(free, cuts)]
+    assert [D.answer_batch(target.model, [p], 48, greedy, set(), cut_loops=n)[0] for p in prompts[:4]] == got[:4]
+
+    g = D.GenConfig()
+    assert "cut_loops" not in g.key()  # the keys of runs made before the option existed
+    assert D.data_key("m", [], D.GenConfig(cut_loops=8)) != D.data_key("m", [], g)
+    with pytest.raises(UserError, match="at least 2"):
+        D.LoopCut(1)
+
+
+def test_answers_past_a_sliding_window_are_cut_to_it_on_a_gpu(tmp_path, monkeypatch):
+    """A sliding-window target's window is read from its own cache; on a GPU the training answers
+    are cut to it (MLX CUDA crashed on longer windowed training forwards), on the CPU they stay whole."""
+    import mlx.core as mx
+
+    from mlx_dspark.models.loading import load_target
+    from mlx_dspark.train import data as D
+    from mlx_dspark.train.pipeline import _fit_window
+
+    gemma, _ = load_target(str(write_model(tmp_path / "g", "gemma3_text", layers=2, hidden=64)))
+    dense, _ = load_target(str(write_model(tmp_path / "q", "qwen3", **TINY)))
+    assert D.sliding_window(gemma.model) == 8 and D.sliding_window(dense.model) is None
+    samples = [D.Sample(list(range(20)), 4, "code"), D.Sample(list(range(7)), 3, "code"), D.Sample([1] * 12, 7, "chat")]
+    said = []
+    assert _fit_window(samples, gemma, said.append) == samples and not said  # the CPU: whole
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert _fit_window(samples, dense, said.append) == samples and not said  # no window: whole
+    got = _fit_window(samples, gemma, said.append)
+    assert [(s.ids, s.n_prompt) for s in got] == [(list(range(8)), 4), (list(range(7)), 3)]  # 1 answer token: dropped
+    assert "2 answers run past" in said[0] and "window of 8" in said[0] and "1 left" in said[0]
 
 
 def test_a_terminated_run_saves_its_state_and_resumes_to_the_same_weights(tiny, tmp_path):
@@ -304,6 +366,8 @@ def test_bad_input_gets_a_clear_error(tiny, tmp_path, capsys):
     (tmp_path / "o4" / "keep.txt").write_text("x")
     assert distill_main(["--model", str(tiny), "--out", str(tmp_path / "o4")]) == 2
     assert "not empty" in capsys.readouterr().err
+    assert distill_main(["--model", str(tiny), "--out", str(tmp_path / "o6"), "--cut-loops", "1"]) == 2
+    assert "--cut-loops" in capsys.readouterr().err
     assert distill_main(["--model", str(tiny), "--out", str(tmp_path / "o5"), "--resume"]) == 2
     assert "no interrupted training run" in capsys.readouterr().err
 

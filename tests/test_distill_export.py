@@ -222,9 +222,18 @@ def test_make_prompts_writes_prompt_files_distill_reads(tmp_path):
     assert (
         mp.main(
             ["--out", str(tmp_path / "c"), "--code", "30", "--chat", "1", "--packages", "pip", "--chat-kinds", "60"]
+            + ["--code-files", "40"]
         )
         == 0
     )
+    files = [p.text for p in read_prompt_file(tmp_path / "c" / "code-files.jsonl")]
+    assert len(files) == len(set(files)) == 40
+    from mlx_dspark.train.data import raw_code
+
+    for t in files:  # as raw code: the excerpt itself, from a definition on, a real file's lines
+        src = raw_code(t)
+        assert src.lstrip().startswith(("def ", "class ", "@")) and 200 <= len(src.strip()) <= 2500
+        assert src.count("\n") >= 4
     pip_code = read_prompt_file(tmp_path / "c" / "code-packages.jsonl")
     assert len(pip_code) == 30 and not {p.text for p in pip_code} & {p.text for p in code}
     kinds = [p.text for p in read_prompt_file(tmp_path / "c" / "chat-kinds.jsonl")]

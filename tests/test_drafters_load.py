@@ -310,6 +310,40 @@ def test_cli_models_lists_registry(capsys):
     assert len(json.loads(capsys.readouterr().out)["pairs"]) == len(registry.PAIRS)
 
 
+def test_a_pair_we_measured_but_do_not_distribute_is_listed_with_how_to_make_it(tmp_path, monkeypatch, capsys):
+    """The Gemma 3 270M drafter is measured by us but not in git: `models` lists it with its
+    figures and the commands that make and measure it; auto finds nothing to load for the target
+    until a user's own copy registers through its pair.json (MLX_DSPARK_PAIRS)."""
+    from mlx_dspark.cli.main import main
+
+    gemma = SimpleNamespace(
+        source="/models/gemma-3-270m-q4_k_m.gguf",
+        name="",
+        config={},
+        model_type="gemma3_text",
+        hidden_size=640,
+        num_layers=18,
+        vocab_size=262144,
+    )
+    (row,) = [p for p in registry.PAIRS if p.target == "gemma-3-270m"]
+    assert row.drafter == "" and row.measured and dict(row.accept)["humaneval"] >= 2.5 and "h200_gemma" in row.make
+    assert registry.pairs_for(gemma) == []  # nothing to load
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "gemma-3-270m" in out and "not distributed (make it)" in out and "make: bench/h200_gemma_dspark.sh" in out
+    assert main(["models", "--json"]) == 0
+    (listed,) = [r for r in json.loads(capsys.readouterr().out)["pairs"] if r["target"] == "gemma-3-270m"]
+    assert listed["make"] == row.make and listed["measured"] == row.measured
+
+    mine = tmp_path / "gemma-drafter"
+    mine.mkdir()
+    pair = {"target": "gemma-3-270m", "kind": "dspark", "packaging": "deepspec-dspark", "block": 7}
+    pair["shape"] = {"families": ["gemma3_text"], "hidden_size": 640, "num_layers": 18, "vocab_size": 262144}
+    (mine / registry.PAIR_FILE).write_text(json.dumps(pair))
+    monkeypatch.setenv(registry.ENV, str(mine))
+    assert [p.drafter for p in registry.pairs_for(gemma)] == [str(mine.resolve())]
+
+
 def test_auto_bits_quantizes_only_large_drafters_on_a_gpu(monkeypatch):
     from mlx_dspark.models import drafters
 

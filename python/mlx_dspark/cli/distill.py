@@ -65,6 +65,14 @@ def add_parser(sub) -> None:
     )
     d.add_argument("--gen-seconds", type=float, help="stop generating answers after this many seconds")
     d.add_argument(
+        "--cut-loops",
+        type=int,
+        default=0,
+        metavar="N",
+        help="end an answer where one of its N-grams starts a third time (e.g. 8): a base model's raw-code "
+        "answers often loop to their token limit, and a drafter trained on loops learns little else (default 0: off)",
+    )
+    d.add_argument(
         "--no-chat-template",
         action="store_true",
         help="prompts are raw text the target continues (a base model without a chat template), "
@@ -172,6 +180,10 @@ def options_from_args(args):
         raise UserError(f"--warmup-ratio must be in [0, 1), got {args.warmup_ratio}")
     if args.block_size is not None and args.block_size < 2:
         raise UserError(f"--block-size must be at least 2, got {args.block_size}")
+    if args.cut_loops and args.cut_loops < 2:
+        raise UserError(
+            f"--cut-loops takes an n-gram length of at least 2 (e.g. 8), or 0 for off; got {args.cut_loops}"
+        )
     from ..models.draft_vocab import parse_choice
 
     train_vocab = parse_choice(args.train_vocab, "--train-vocab")
@@ -182,6 +194,7 @@ def options_from_args(args):
         time_limit=args.gen_seconds,
         answers_per_prompt=args.answers_per_prompt,
         chat_template=not args.no_chat_template,
+        cut_loops=args.cut_loops,
     )
     cfg = DistillConfig(
         kind=args.kind,

@@ -36,11 +36,14 @@ WIDTH = 100  # the table fits a 100-column terminal; long cells wrap under their
 
 
 def _drafter_cell(path: str) -> str:
-    """A drafter shipped inside the package shows as `package: NAME`, not as a long local path."""
+    """A drafter shipped inside the package shows as `package: NAME`, not as a long local path;
+    one that is not distributed says so (its row's `make` line says how to make it)."""
     from pathlib import Path
 
     from ..models.registry import is_packaged
 
+    if not path:
+        return "not distributed (make it)"
     return f"package: {Path(path).name}" if is_packaged(path) else path
 
 
@@ -88,7 +91,7 @@ def run(args) -> int:
     print("  ".join("-" * w for w in widths))
     for c, r in zip(cells, rows):
         print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
-        for label, key in (("measured", "measured"), ("reproduce", "reproduce"), ("note", "note")):
+        for label, key in (("measured", "measured"), ("reproduce", "reproduce"), ("make", "make"), ("note", "note")):
             if r[key]:
                 print(textwrap.fill(f"{label}: {r[key]}", WIDTH, initial_indent="    ", subsequent_indent="      "))
     if any(r["measured"] is None for r in rows):

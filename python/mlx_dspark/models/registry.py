@@ -42,7 +42,7 @@ class Shape:
 class Pair:
     target: str  # canonical base-model name (see canonical_name)
     kind: str  # dspark | dflash
-    drafter: str  # HF repo id
+    drafter: str  # HF repo id or folder; "" = not distributed: `make` says how to make it
     publisher: str
     packaging: str  # deepspec-dspark | deepspec-dflash | zlab-dflash
     block: int | None  # draft tokens per round at the full block (None: read from its config)
@@ -53,6 +53,7 @@ class Pair:
     # Mean tokens committed per round (greedy, full block) per eval domain, as measured: what
     # `--mode auto` takes as the most this drafter can earn (decode/modes.py); () = not measured.
     accept: tuple[tuple[str, float], ...] = ()
+    make: str = ""  # for a drafter not distributed: the commands that distill it (then MLX_DSPARK_PAIRS)
 
 
 _QWEN3 = ("qwen3",)
@@ -63,6 +64,7 @@ QWEN3_14B = Shape(_QWEN3, 5120, 40, 151936)
 GEMMA4_12B = Shape(_GEMMA4, 3840, 48, 262144)
 LLAMA31_8B = Shape(("llama",), 4096, 32, 128256)
 SMOLLM2_135M = Shape(("llama",), 576, 30, 49152)
+GEMMA3_270M = Shape(("gemma3_text",), 640, 18, 262144)
 # Our own reference drafters for the demo target, distilled with `mlx-dspark distill`, shipped in the
 # package (each folder's README holds how it was trained).
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -109,6 +111,29 @@ _OURS: tuple[Pair, ...] = (
         note="the demo target's DFlash drafter (mlx-dspark distill --kind dflash; its README says how it "
         "was trained); z-lab layout, block 16, 5 layers stored 8-bit, embed/lm_head bound to the target's",
         accept=(("humaneval", 2.72), ("mbpp", 2.79), ("mt-bench", 2.17)),
+    ),
+    # Not distributed (README, "Repository: weights": only the demo target's drafters are in git):
+    # listed with what we measured and the commands that make it; a user's own copy registers
+    # through its pair.json (MLX_DSPARK_PAIRS=DIR) and then runs in auto mode.
+    Pair(
+        "gemma-3-270m",
+        "dspark",
+        "",
+        "mlx-dspark (distill)",
+        "deepspec-dspark",
+        7,
+        GEMMA3_270M,
+        measured="CPU float32: accept 2.72 humaneval, 2.89 mbpp; H100 bf16: 2.97, 3.10 (greedy, full block, "
+        "10 eval prompts per domain as raw code; lossless on all 20, and past the 512-token window) "
+        "(bench/results/gemma-dspark.md)",
+        reproduce="python bench/bench_dflash.py --model gemma-3-270m-q4_k_m.gguf --dtype float32 --drafter DIR "
+        "--bits 16 --raw-code --domains humaneval mbpp --samples 10 --max-new-tokens 128 --register",
+        note="the base model (no chat template): prompts as raw code (generate --no-chat-template); "
+        "4 layers, block 7, draft vocabulary 4839 tokens, 53 MB stored 8-bit",
+        accept=(("humaneval", 2.72), ("mbpp", 2.89)),
+        make="bench/h200_gemma_dspark.sh on one GPU, three calls: `setup gen` (BUDGET=330), `train` "
+        "(BUDGET=470), `more` (BUDGET=470 MORE_FRAC=63): 1.09M answer tokens, 3264 + 2412 steps (~15 GPU "
+        "minutes); then MLX_DSPARK_PAIRS=DIR registers it (the measure's --register writes its pair.json)",
     ),
 )
 _PUBLISHED: tuple[Pair, ...] = (
@@ -329,12 +354,13 @@ def shape_matches(shape: Shape, target) -> bool:
 
 
 def pairs_for(target, kind: str | None = None) -> list[Pair]:
-    """Registered pairs for a loaded target (name and shape must both match), in registry order."""
+    """Registered pairs for a loaded target (name and shape must both match), in registry order;
+    a pair whose drafter is not distributed has nothing to load and is left out."""
     names = target_names(target)
     return [
         p
         for p in all_pairs()
-        if p.target in names and (kind is None or p.kind == kind) and shape_matches(p.shape, target)
+        if p.drafter and p.target in names and (kind is None or p.kind == kind) and shape_matches(p.shape, target)
     ]
 
 
@@ -350,7 +376,9 @@ def measured_acceptance(drafter_source: str) -> float | None:
         except (OSError, ValueError):
             return False
 
-    got = [v for p in all_pairs() if p.accept and same(p.drafter, str(drafter_source)) for _, v in p.accept]
+    got = [
+        v for p in all_pairs() if p.accept and p.drafter and same(p.drafter, str(drafter_source)) for _, v in p.accept
+    ]
     return max(got) if got else None
 
 
@@ -372,6 +400,7 @@ def table() -> list[dict]:
             "status": p.measured or UNMEASURED,
             "note": p.note,
             "reproduce": p.reproduce,
+            "make": p.make,
             "accept": dict(p.accept),
         }
         for p in all_pairs()

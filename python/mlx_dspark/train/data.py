@@ -223,13 +223,61 @@ class GenConfig:
     answers_per_prompt: int = 1  # more answers per prompt (other seeds): more data from few prompts
     time_limit: float | None = None  # stop generating after this many seconds (answers so far are kept)
     chat_template: bool = True  # False: prompts are raw text the target continues (a base model)
+    cut_loops: int = 0  # n > 0: end an answer where one of its n-grams starts a third time (LoopCut)
 
     def key(self) -> dict:
         k = asdict(self)
         k.pop("time_limit")
         if k["chat_template"]:
             k.pop("chat_template")  # the key of every run made before the switch existed
+        if not k["cut_loops"]:
+            k.pop("cut_loops")  # likewise
         return k
+
+
+class LoopCut:
+    """Ends an answer where it starts to loop: at the start of the third occurrence of one of its
+    n-grams, the answer so far is kept (two occurrences: the repeat a drafter should learn to
+    copy) and the rest is dropped. A base model continuing raw code at a low temperature often
+    repeats one line to its token limit; a drafter trained on those tails learns the loops and
+    little else (bench/results/gemma-dspark.md)."""
+
+    def __init__(self, n: int):
+        if n < 2:
+            raise UserError(f"--cut-loops takes an n-gram length of at least 2 (or 0: off), got {n}")
+        self.n = n
+        self.seen: dict[int, dict[tuple, int]] = {}
+
+    def cut(self, key: int, answer: list[int]) -> int | None:
+        """After `answer` grew by one token: None, or the length to cut it to (the row ends)."""
+        if len(answer) < self.n:
+            return None
+        counts = self.seen.setdefault(key, {})
+        g = tuple(answer[-self.n :])
+        counts[g] = counts.get(g, 0) + 1
+        return len(answer) - self.n if counts[g] >= 3 else None
+
+
+def sliding_window(model) -> int | None:
+    """The smallest sliding window of the model's attention layers (its prompt cache's rotating
+    caches), or None where every layer attends to the whole sequence."""
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    sizes = [c.max_size for c in make_prompt_cache(model) if isinstance(c, RotatingKVCache)]
+    return min(sizes) if sizes else None
+
+
+def cut_to_window(samples: Sequence[Sample], window: int) -> tuple[list[Sample], int]:
+    """The samples cut to their first `window` tokens, those left with under 2 answer tokens
+    dropped; and how many were longer."""
+    out, n_cut = [], 0
+    for s in samples:
+        if len(s.ids) > window:
+            n_cut += 1
+            s = Sample(s.ids[:window], s.n_prompt, s.domain)
+        if s.n_answer >= 2:
+            out.append(s)
+    return out, n_cut
 
 
 def _batch_cache(model, left_padding: list[int]) -> list:
@@ -258,10 +306,12 @@ def answer_batch(
     stops: set[int],
     deadline: float | None = None,
     prefill_step: int = 512,
+    cut_loops: int = 0,
 ) -> list[list[int]]:
     """The answers to one static batch of prompts (left-padded, prefilled together, decoded
-    together). A row stops at its first stop token (kept) or after `max_new` tokens; finished
-    rows are dropped from the batch as it thins out. Decoding is pipelined: step k+1 is queued
+    together). A row stops at its first stop token (kept), after `max_new` tokens, or (with
+    `cut_loops`) where it starts to loop (LoopCut); finished rows are dropped from the batch as it
+    thins out. Decoding is pipelined: step k+1 is queued
     before step k's tokens are read back."""
     import mlx.core as mx
 
@@ -278,6 +328,7 @@ def answer_batch(
     rows = list(range(n))  # batch row -> prompt index
     alive = [True] * n  # a finished row stays in the batch until the next filter, ignored
     answers: list[list[int]] = [[] for _ in range(n)]
+    loops = LoopCut(cut_loops) if cut_loops else None
     for step in range(max_new):
         last = step == max_new - 1 or (deadline is not None and time.perf_counter() > deadline)
         if not last:
@@ -285,8 +336,12 @@ def answer_batch(
             mx.async_eval(y_next)
         for r, t in enumerate(y.tolist()):
             if alive[r]:
-                answers[rows[r]].append(t)
+                ans = answers[rows[r]]
+                ans.append(t)
                 alive[r] = t not in stops
+                if loops is not None and alive[r] and (cut_at := loops.cut(rows[r], ans)) is not None:
+                    del ans[cut_at:]
+                    alive[r] = False
         keep = [r for r in range(len(rows)) if alive[r]]
         if last or not keep:
             break
@@ -350,7 +405,15 @@ def generate_samples(
             break
         if b is batches[0]:
             mx.random.seed(cfg.seed + rep)
-        answers = answer_batch(target.model, [encoded[i][0] for i in b], cfg.max_new_tokens, sampler, stops, deadline)
+        answers = answer_batch(
+            target.model,
+            [encoded[i][0] for i in b],
+            cfg.max_new_tokens,
+            sampler,
+            stops,
+            deadline,
+            cut_loops=cfg.cut_loops,
+        )
         for i, ans in zip(b, answers):
             n_tok += len(ans)
             if len(ans) >= 2:

@@ -53,6 +53,24 @@ class DistillOptions:
     train: DistillConfig = field(default_factory=DistillConfig)
 
 
+def _fit_window(samples: list, target, say) -> list:
+    """On a GPU, answers that run past a sliding-window target's window are cut to it: there, a
+    training forward longer than the window (mlx-lm's windowed mask array) crashed MLX 0.32.4's
+    CUDA backend with SIGFPE within 30 steps, and a run on the same answers cut to the window
+    trained through (bench/results/gemma-dspark.md). The CPU trains on them whole."""
+    import mlx.core as mx
+
+    window = D.sliding_window(target.model)
+    if window is None or mx.default_device() != mx.gpu or not any(len(s.ids) > window for s in samples):
+        return samples
+    kept, n_cut = D.cut_to_window(samples, window)
+    say(
+        f"distill: {n_cut} answers run past the target's sliding window of {window} tokens; on a GPU they are "
+        f"cut to it ({len(samples) - len(kept)} left with under 2 answer tokens are dropped)"
+    )
+    return kept
+
+
 def _generation_defaults(model: str, target) -> dict:
     """The target's recommended sampling (generation_config.json) where it has one."""
     path = Path(model).expanduser() if model else None
@@ -148,6 +166,7 @@ def run_distill(
         D.save_samples(out / "samples.jsonl", samples, key)
     else:
         say(f"distill: reusing the target's answers in {out / 'samples.jsonl'}")
+    samples = _fit_window(samples, target, say)
     say("distill: " + D.describe(samples))
 
     meta = {
@@ -168,6 +187,8 @@ def run_distill(
         meta["chat_template"] = False  # raw prompts: run it with `generate --no-chat-template`
     if opts.raw_code:
         meta["prompts_as"] = "raw code"
+    if g.cut_loops:
+        meta["cut_loops"] = g.cut_loops  # answers ended where an n-gram of this length starts a third time
     if cfg.init_from:
         meta["init_from"] = str(cfg.init_from)
         if cfg.init_layers is not None and cfg.init_layers < cfg.layers:
