@@ -311,8 +311,7 @@ def answer_batch(
     """The answers to one static batch of prompts (left-padded, prefilled together, decoded
     together). A row stops at its first stop token (kept), after `max_new` tokens, or (with
     `cut_loops`) where it starts to loop (LoopCut); finished rows are dropped from the batch as it
-    thins out. Decoding is pipelined: step k+1 is queued
-    before step k's tokens are read back."""
+    thins out. Decoding is pipelined: step k+1 is queued before step k's tokens are read back."""
     import mlx.core as mx
 
     n = len(prompts)

@@ -56,8 +56,9 @@ class DistillOptions:
 def _fit_window(samples: list, target, say) -> list:
     """On a GPU, answers that run past a sliding-window target's window are cut to it: there, a
     training forward longer than the window (mlx-lm's windowed mask array) crashed MLX 0.32.4's
-    CUDA backend with SIGFPE within 30 steps, and a run on the same answers cut to the window
-    trained through (bench/results/gemma-dspark.md). The CPU trains on them whole."""
+    CUDA backend with SIGFPE within 30 steps, three times, and the same answers less those longer
+    than the window trained through 5,676 steps (bench/results/gemma-dspark.md). The CPU trains on
+    them whole."""
     import mlx.core as mx
 
     window = D.sliding_window(target.model)
