@@ -214,12 +214,23 @@ def test_mode_and_kind_must_agree():
 )
 def test_registry_is_quantization_agnostic(name):
     assert registry.canonical_name(name) == "qwen3-4b"
-    tgt = SimpleNamespace(
-        source=name, name="", config={}, model_type="qwen3", hidden_size=2560, num_layers=36, vocab_size=151936
-    )
+    tgt = stand_in_target(name, registry.QWEN3_4B)
     got = [(p.kind, p.drafter) for p in registry.pairs_for(tgt)]
     assert got[0] == ("dspark", "deepseek-ai/dspark_qwen3_4b_block7")
     assert ("dflash", "z-lab/Qwen3-4B-DFlash-b16") in got and ("dflash", "deepseek-ai/dflash_qwen3_4b_block7") in got
+
+
+def stand_in_target(source: str, shape) -> SimpleNamespace:
+    """What the registry reads of a loaded target (its names and shape), for a `shape` of registry.py."""
+    return SimpleNamespace(
+        source=source,
+        name="",
+        config={},
+        model_type=shape.families[0],
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        vocab_size=shape.vocab_size,
+    )
 
 
 def test_registry_needs_name_and_shape():
@@ -228,15 +239,7 @@ def test_registry_needs_name_and_shape():
         source="Qwen3-4B", name="", config={}, model_type="qwen3", hidden_size=64, num_layers=4, vocab_size=384
     )
     assert registry.pairs_for(wrong_shape) == []
-    gemma = SimpleNamespace(
-        source="mlx-community/gemma-4-12B-it-8bit",
-        name="",
-        config={},
-        model_type="gemma4",
-        hidden_size=3840,
-        num_layers=48,
-        vocab_size=262144,
-    )
+    gemma = stand_in_target("mlx-community/gemma-4-12B-it-8bit", registry.GEMMA4_12B)
     assert [p.drafter for p in registry.pairs_for(gemma, "dspark")] == ["deepseek-ai/dspark_gemma4_12b_block7"]
     published = [r for r in registry.table() if r["publisher"] != "mlx-dspark (distill)"]  # ours: measured
     assert published and all(r["measured"] is None and "not yet measured" in r["status"] for r in published)
@@ -316,15 +319,7 @@ def test_a_pair_we_measured_but_do_not_distribute_is_listed_with_how_to_make_it(
     until a user's own copy registers through its pair.json (MLX_DSPARK_PAIRS)."""
     from mlx_dspark.cli.main import main
 
-    gemma = SimpleNamespace(
-        source="/models/gemma-3-270m-q4_k_m.gguf",
-        name="",
-        config={},
-        model_type="gemma3_text",
-        hidden_size=640,
-        num_layers=18,
-        vocab_size=262144,
-    )
+    gemma = stand_in_target("/models/gemma-3-270m-q4_k_m.gguf", registry.GEMMA3_270M)
     (row,) = [p for p in registry.PAIRS if p.target == "gemma-3-270m"]
     assert row.drafter == "" and row.measured and dict(row.accept)["humaneval"] >= 2.5 and "h200_gemma" in row.make
     assert registry.pairs_for(gemma) == []  # nothing to load
