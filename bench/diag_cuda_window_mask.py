@@ -12,9 +12,11 @@ its case) and prints a table: case, exit status (-8 = SIGFPE), seconds.
 Cases: `mx.fast.scaled_dot_product_attention` on Gemma 3 270M's attention shape (16 rows, 4 query
 heads, 1 KV head, head dim 256, bf16) with the windowed boolean mask at 512 (equal to the window:
 no array in mlx-lm, here the control), 513, 600 and 1000 tokens; the same at 600 with mask
-"causal", an additive float mask, head dim 64, one row, float32; and with --gguf, the real
-target's cacheless tapped forward over 16 x 600 tokens, as distill's target_inputs runs it. On
-the CPU every case passes (a smoke test of this script; 2 x 600 tokens in float32 for the target).
+"causal", an additive float mask, head dim 64, one row, float32; the gradient of the 600 / 512
+windowed and the causal call ("grad-"); and with --gguf, the real target's cacheless tapped
+forward over 16 x 600 tokens, as distill's target_inputs runs it. On the CPU every case passes (a
+smoke test of this script; 2 x 600 tokens in float32 for the target). On an H100 (session 20)
+every case passes too: the crash needs more than one of these calls.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ CASES = {
     "window-600-d64": (16, 600, 64, "bfloat16", "window"),
     "window-600-1row": (1, 600, 256, "bfloat16", "window"),
     "window-600-f32": (16, 600, 256, "float32", "window"),
+    # the training step's backward through the same call (distill differentiates the drafter, whose
+    # loss reaches the target's cacheless forward only as data; these cases test MLX's VJP alone)
+    "grad-window-600": (16, 600, 256, "bfloat16", "window"),
+    "grad-window-512": (16, 512, 256, "bfloat16", "window"),
+    "grad-causal-600": (16, 600, 256, "bfloat16", "causal"),
 }
 WINDOW = 512
 
@@ -61,6 +68,13 @@ def run_case(name: str, gguf: str | None) -> None:
     i = mx.arange(n)
     allowed = (i[:, None] >= i[None]) & (i[:, None] < i[None] + WINDOW)
     mask = {"window": allowed, "causal": "causal", "additive": mx.where(allowed, 0.0, -1e9).astype(dt)}[kind]
+    if name.startswith("grad-"):
+
+        def loss(q, k, v):
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask).astype(mx.float32).sum()
+
+        mx.eval(mx.grad(loss, argnums=(0, 1, 2))(q, k, v))
+        return
     mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask))
 
 

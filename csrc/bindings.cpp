@@ -24,7 +24,9 @@ NB_MODULE(_ext, m) {
   m.attr("mlx_version") = mlx::core::version();
   m.attr("has_metal") = DSPARK_METALLIB != 0;
   m.attr("source_hash") = DSPARK_SOURCE_HASH;
-  m.attr("primitives") = nb::make_tuple("DsparkGreedyAccept", "DsparkSamplingAccept", "DsparkInvariantLinear");
+  m.attr("primitives") = nb::make_tuple("DsparkGreedyAccept", "DsparkSamplingAccept", "DsparkInvariantLinear",
+                                  "DsparkDraftAttention", "DsparkSiluMul", "DsparkMarkovGreedy",
+                                  "DsparkInvariantAttention");
 
   m.def("greedy_accept", &dspark::greedy_accept, "logits"_a, "draft"_a, nb::kw_only(),
         "stream"_a = nb::none(),
@@ -39,6 +41,21 @@ NB_MODULE(_ext, m) {
         "Width-invariant x @ weight.T (+ bias) on the CPU: row m of an M-row call equals the row alone, "
         "bitwise; kernel 'tiled' (register tiles, the default) or 'rows' (the first kernel, one x row "
         "at a time: a benchmark baseline); see mlx_dspark.kernels.invariant_linear.");
+  m.def("draft_attention", &dspark::draft_attention, "q"_a, "q_norm"_a, "keys"_a, "values"_a, "inv_freq"_a,
+        nb::kw_only(), "num_heads"_a, "position"_a, "scale"_a, "eps"_a, "stream"_a = nb::none(),
+        "A drafter block's attention on the CPU: q-norm, RoPE and attention over every key, out "
+        "[L, num_heads * head_dim]; see mlx_dspark.kernels.draft_ops.");
+  m.def("silu_mul", &dspark::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "silu(gate) * up on the CPU (float32); see mlx_dspark.kernels.draft_ops.");
+  m.def("markov_greedy", &dspark::markov_greedy, "logits"_a, "w1"_a, "w2"_a, "vocab_ids"_a.none(), "anchor"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "The Markov head's greedy chain on the CPU: tokens [k] int32; see mlx_dspark.kernels.draft_ops.");
+  m.def("invariant_attention", &dspark::invariant_attention_cpu, "q"_a, "k"_a, "v"_a, nb::kw_only(), "scale"_a,
+        "stream"_a = nb::none(),
+        "Width-invariant causal attention on the CPU (float32): a verify row equals the plain step at "
+        "its position, bitwise; see mlx_dspark.kernels.invariant.");
+  m.def("draft_ops_isa", &dspark::draft_ops_isa,
+        "The instruction set of the CPU draft ops in this process: 'avx2' or 'portable'.");
   m.def("invariant_linear_isa", &dspark::invariant_linear_isa,
         "The instruction set of the CPU invariant linear's tiles in this process: 'avx2' or 'portable'.");
 }

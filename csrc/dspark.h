@@ -82,6 +82,82 @@ class InvariantLinear : public mx::Primitive {
   int kernel_;
 };
 
+// The drafter pass's fused CPU ops (draft_ops.cpp; references in kernels/draft_ops.py), float32.
+// q [L, H * D] (q_proj's rows), q_norm [D], keys / values [1, Hkv, Lk, D] (any strides), inv_freq
+// [D / 2] -> [L, H * D]: RMS-norm each head of q, RoPE it at position + row (pairs i, i + D/2),
+// attend over every key (no mask) with `scale`.
+mx::array draft_attention(const mx::array& q, const mx::array& q_norm, const mx::array& keys,
+                          const mx::array& values, const mx::array& inv_freq, int num_heads, int position,
+                          float scale, float eps, mx::StreamOrDevice s = {});
+// silu(gate) * up, one shape.
+mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+// logits [k, Vd], w1 [V, r], w2 [Vd, r], vocab_ids [Vd] or none, anchor (one id) -> tokens [k] int32:
+// t_j = ids[argmax(logits_j + w2 . w1[t_{j-1}])], t_{-1} = anchor.
+mx::array markov_greedy(const mx::array& logits, const mx::array& w1, const mx::array& w2,
+                        const std::optional<mx::array>& vocab_ids, const mx::array& anchor,
+                        mx::StreamOrDevice s = {});
+// The instruction set draft_ops picked for this process: "avx2" or "portable".
+const char* draft_ops_isa();
+
+class DraftAttention : public mx::Primitive {
+ public:
+  DraftAttention(mx::Stream stream, int num_heads, int position, float scale, float eps)
+      : mx::Primitive(stream), num_heads_(num_heads), position_(position), scale_(scale), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DsparkDraftAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DraftAttention&>(other);
+    return num_heads_ == o.num_heads_ && position_ == o.position_ && scale_ == o.scale_ && eps_ == o.eps_;
+  }
+
+ private:
+  int num_heads_, position_;
+  float scale_, eps_;
+};
+
+class SiluMul : public mx::Primitive {
+ public:
+  explicit SiluMul(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DsparkSiluMul"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return true; }
+};
+
+class MarkovGreedy : public mx::Primitive {
+ public:
+  MarkovGreedy(mx::Stream stream, bool has_ids) : mx::Primitive(stream), has_ids_(has_ids) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DsparkMarkovGreedy"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_ids_ == static_cast<const MarkovGreedy&>(other).has_ids_;
+  }
+
+ private:
+  bool has_ids_;
+};
+
+// Width-invariant causal attention on the CPU (invariant_attention.cpp), float32: q [B, H, Lq, D],
+// k / v [B, Hkv, Lk, D] (any strides); query row i at position Lk - Lq + i -> [B, H, Lq, D].
+mx::array invariant_attention_cpu(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                                  mx::StreamOrDevice s = {});
+
+class InvariantAttention : public mx::Primitive {
+ public:
+  InvariantAttention(mx::Stream stream, float scale) : mx::Primitive(stream), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DsparkInvariantAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const InvariantAttention&>(other).scale_;
+  }
+
+ private:
+  float scale_;
+};
+
 // Row argmax in mx.argmax order (NaN first, then the larger value, then the smaller index).
 int32_t argmax_row(const void* row, mx::Dtype dtype, int64_t V);
 

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "dspark.h"
+#include "cpu_pool.h"
 #include "invariant_linear_tiles.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -84,71 +85,6 @@ Dot4 pick_dot4() {
 #endif
   return dot4_portable;
 }
-
-// A few worker threads for the weight passes; the calling thread works too.
-class Pool {
- public:
-  static Pool& get() {
-    static Pool* pool = new Pool();  // never destroyed: workers may outlive static destructors
-    return *pool;
-  }
-  int size() const { return static_cast<int>(workers_.size()) + 1; }
-
-  void run(int tasks, const std::function<void(int)>& fn) {
-    if (tasks <= 1 || workers_.empty()) {
-      for (int i = 0; i < tasks; ++i) fn(i);
-      return;
-    }
-    std::unique_lock<std::mutex> call(call_mu_);  // one job at a time
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      fn_ = &fn;
-      tasks_ = tasks;
-      next_.store(0);
-      busy_ = static_cast<int>(workers_.size());
-      ++generation_;
-    }
-    cv_.notify_all();
-    work();
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return busy_ == 0; });
-    fn_ = nullptr;
-  }
-
- private:
-  Pool() {
-    int n = static_cast<int>(std::thread::hardware_concurrency());
-    if (const char* env = std::getenv("MLX_DSPARK_CPU_THREADS")) n = std::atoi(env);
-    n = std::max(1, std::min(n, 16));
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
-    for (auto& t : workers_) t.detach();
-  }
-  void work() {
-    for (int i = next_.fetch_add(1); i < tasks_; i = next_.fetch_add(1)) (*fn_)(i);
-  }
-  void loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return generation_ != seen; });
-        seen = generation_;
-      }
-      work();
-      std::lock_guard<std::mutex> lk(mu_);
-      if (--busy_ == 0) done_cv_.notify_one();
-    }
-  }
-
-  std::vector<std::thread> workers_;
-  std::mutex call_mu_, mu_;
-  std::condition_variable cv_, done_cv_;
-  const std::function<void(int)>* fn_ = nullptr;
-  int tasks_ = 0;
-  int busy_ = 0;
-  uint64_t generation_ = 0;
-  std::atomic<int> next_{0};
-};
 
 template <typename T>
 void to_float_portable(const T* src, float* dst, int64_t n) {
@@ -224,7 +160,7 @@ void weight_rows(const T* w, int n0, int rows, int N, int K, std::vector<float>&
 // Runs fn(p) for the passes p = 0 .. passes - 1, split into contiguous runs over the pool.
 template <typename Fn>
 void over_passes(int passes, const Fn& fn) {
-  Pool& pool = Pool::get();
+  cpu::Pool& pool = cpu::Pool::get();
   const int tasks = std::min(passes, pool.size() * 8);
   pool.run(tasks, [&](int t) {
     const int p0 = static_cast<int>(static_cast<int64_t>(passes) * t / tasks);

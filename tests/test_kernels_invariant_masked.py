@@ -43,8 +43,12 @@ def case(B, H, w, Hkv, L, D, dtype, i):
     return q, k, v, mx.array(m)
 
 
+def inv_visible(mask, i) -> mx.array:
+    return mx.array(np.flatnonzero(np.array(mask[i])).astype(np.int32))
+
+
 def row_alone(q, k, v, mask, i, scale, op):
-    vis = mx.array(np.flatnonzero(np.array(mask[i])).astype(np.int32))
+    vis = inv_visible(mask, i)
     return op(q[:, :, i : i + 1], mx.take(k, vis, axis=2), mx.take(v, vis, axis=2), scale)
 
 
@@ -56,9 +60,12 @@ def test_cpu_rows_are_the_plain_op_over_their_visible_keys(shape, dtype):
     assert im.supported(q, k, v, mask)
     got = im.attention(q, k, v, scale, mask)
     assert got.shape == q.shape and got.dtype == dtype
-    for i in range(q.shape[2]):  # the CPU plain step: MLX's single-query attention, no mask
-        alone = row_alone(q, k, v, mask, i, scale, lambda a, b, c, s: inv._MLX_SDPA(a, b, c, scale=s, mask=None))
+    for i in range(q.shape[2]):  # the CPU plain step: the native op in float32, else MLX's single-query attention
+        alone = row_alone(q, k, v, mask, i, scale, inv.one_row)
         assert mx.array_equal(got[:, :, i : i + 1], alone).item(), f"row {i} (seed {SEED})"
+        plain = inv.invariant_attention(q[:, :, i : i + 1], mx.take(k, inv_visible(mask, i), axis=2),
+                                        mx.take(v, inv_visible(mask, i), axis=2), scale)  # fmt: skip
+        assert mx.array_equal(alone, plain).item()  # what a plain step's routed call computes
     f32 = [a.astype(mx.float32) for a in (q, k, v)]
     want = inv._MLX_SDPA(*f32, scale=scale, mask=mask)
     tol = 1e-5 if dtype == mx.float32 else 2e-2

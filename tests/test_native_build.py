@@ -37,7 +37,15 @@ def test_extension_matches_mlx(ext):
     assert ext.mlx_version == mx.__version__
     status = kernels.native_status()
     assert status["loaded"] and status["reason"] is None
-    assert set(status["primitives"]) == {"DsparkGreedyAccept", "DsparkSamplingAccept", "DsparkInvariantLinear"}
+    assert set(status["primitives"]) == {
+        "DsparkGreedyAccept",
+        "DsparkSamplingAccept",
+        "DsparkInvariantLinear",
+        "DsparkInvariantAttention",
+        "DsparkDraftAttention",
+        "DsparkSiluMul",
+        "DsparkMarkovGreedy",
+    }
     assert status["kernels"]["greedy_accept"] == "native-cpu"
 
 
@@ -54,6 +62,9 @@ def test_primitives_are_in_the_graph(ext):
     p = mx.softmax(lg, axis=-1)
     out = ext.sampling_accept(p, None, d, mx.zeros((2, 2)), mx.zeros((2,)))
     assert "DsparkSamplingAccept" in primitive_names(*out)
+    q, kv = mx.zeros((1, 2, 3, 8)), mx.zeros((1, 1, 5, 8))
+    assert "DsparkInvariantAttention" in primitive_names(ext.invariant_attention(q, kv, kv, scale=1.0))
+    assert "DsparkSiluMul" in primitive_names(ext.silu_mul(lg, lg))
     # the verify loop's acceptor goes through it
     from mlx_dspark.decode.accept import GreedyAcceptor
     from mlx_dspark.decode.proposers import Draft

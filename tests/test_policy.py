@@ -326,3 +326,41 @@ def test_auto_mode_falls_back_to_lookup_where_only_the_drafter_cannot_pay(monkey
     res = generate(tgt, tok, None, prompt_ids=prompt, mode="auto", drafter=d, max_new_tokens=20, max_draft="auto")
     assert res.mode == "lookup" and res.tokens == base.tokens and res.text == base.text
     assert "the drafter cannot pay" in capsys.readouterr().err
+
+
+def test_live_step_times_correct_a_calibration_that_overcharges_rounds():
+    """A calibration that measured rounds 30% dearer than they run parks a drafter that pays; the
+    loop's timed steps (rounds at their real cost, plain steps at theirs) bring it back."""
+    dear = Costs([1, 2, 4, 8], [0.013, 0.0135, 0.014, 0.016], t_draft=0.0026, origin="given", t_plain=0.010)
+    p = pol.CostPolicy(dear, cap=8)
+    for n in range(0, 200, 4):
+        p.result("drafter", 3, (n // 4) % 2, n)  # the first draft accepted every other round: 1.5 a round
+    assert p.length("drafter", 7, 200) == 0  # at the calibrated prices a round loses
+    true_round = (0.0026 + 0.0135) / 1.3
+    for i in range(60):
+        p.timed(2, true_round)
+        p.timed(1, 0.0105)
+    n = 200 + pol.PROBE_MAX
+    assert p.length("drafter", 7, n) == 1  # the probe
+    p.result("drafter", 1, 1, n)
+    assert p.ready("drafter", n + 1) and p.length("drafter", 7, n + 1) == 1  # resumed: it pays
+    st = p.stats()
+    assert st["live_round_scale"] == pytest.approx(1 / 1.3, rel=0.05) and st["live_plain_scale"] > 1.0
+    p.timed(2, 100.0)  # a pause: one step moves the correction by at most its bounded share
+    assert p.stats()["live_round_scale"] < 1 / 1.3 + pol.LIVE_ALPHA * pol.LIVE_RANGE[1]
+
+
+def test_the_loop_reports_each_steps_time_to_an_adaptive_policy(monkeypatch):
+    """Every decode step's wall time reaches the policy with its width (rounds wider than 1,
+    plain steps 1); the output stays plain decoding's."""
+    monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: FLAT)
+    tgt, tok, d, prompt = _perm_pair(3)
+    seen = []
+    real = pol.CostPolicy.timed
+    monkeypatch.setattr(pol.CostPolicy, "timed", lambda self, w, s: (seen.append((w, s)), real(self, w, s))[1])
+    base = generate(tgt, tok, None, prompt_ids=prompt, mode="baseline", max_new_tokens=32)
+    res = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=32, max_draft="auto")
+    assert res.tokens == base.tokens and res.text == base.text
+    assert 0 < len(seen) <= res.rounds and all(s > 0 for _, s in seen)  # a round's synchronous next step: not timed
+    assert sum(w > 1 for w, _ in seen) == res.stats["rounds"] > 0  # every round the policy counted
+    assert res.stats["live_round_scale"] != 1.0

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 
-VERSION = 3  # 2: t_plain, pipelined plain steps; 3: a CPU drafter pass on the native kernel
+VERSION = 4  # 2: t_plain, pipelined plain steps; 3: a CPU drafter pass on the native kernel; 4: + kernels
 WIDTHS = (1, 2, 4, 8, 16, 32, 3, 6, 12, 24)  # doubling first, then the gaps
 CONTEXT = 16  # small: a prefill on reference BLAS runs at ~3 GFLOP/s
 BUDGET_S = 4.0
@@ -104,6 +104,13 @@ def mode() -> str:
     return m
 
 
+def _kernels_hash() -> str | None:
+    from ..kernels import native
+
+    ext = native.ext(warn=False)
+    return getattr(ext, "source_hash", None) if ext is not None else None
+
+
 def key_for(target, drafter=None) -> dict:
     from .._version import __version__
     from ..blas import active_blas
@@ -119,6 +126,7 @@ def key_for(target, drafter=None) -> dict:
         "device": device_name(),
         "blas": active_blas()["name"] if mx.default_device() == mx.cpu else None,
         "decode_path": path_of(target),
+        "kernels": _kernels_hash(),  # a rebuilt extension (other native kernels) measures again
         "compiled": getattr(target, "compiled_decode", None) is not None,  # models/compiled_decode.py
         "target": {
             "source": str(target.source or target.name),
@@ -159,8 +167,9 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
     A first sweep times each width of WIDTHS once (after one untimed call: the first call of a
     process pays one-time set-up), stopping early where the curve is already linear; then sweeps
     over the same widths (and the drafter pass) repeat while the budget lasts, and each keeps its
-    minimum. Interleaving the widths in every sweep makes a busy machine slow them all alike, so
-    their ratios, which decide the policy, stay sound."""
+    minimum; a sweep that would overrun the budget stops after its narrow widths (those a drafter's
+    round verifies), so they get the most samples. Interleaving the widths in every sweep makes a
+    busy machine slow them all alike, so their ratios, which decide the policy, stay sound."""
     t_start = time.perf_counter()
     taps = tuple(drafter.taps) if drafter is not None else ()
     vocab = max(2, min(int(target.vocab_size), 32000))
@@ -222,14 +231,16 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
     if draft is not None:
         draft.time()  # ingests the whole context: untimed
     t_plain = plain()
-    sweep = sum(best.values()) + (draft.best if draft else 0.0) + PLAIN_STEPS * t_plain
-    for _ in range(4):
-        if spent() + sweep > budget_s:
+    for _ in range(4):  # more sweeps, narrow widths first: each stops where the budget would run out
+        if spent() > budget_s:
             break
-        for w in list(best):
+        for w in sorted(best):
+            if spent() + best[w] > budget_s:
+                break
             best[w] = min(best[w], verify(w))
-        t_plain = min(t_plain, plain())
-        if draft is not None:
+        if spent() + PLAIN_STEPS * t_plain <= budget_s:
+            t_plain = min(t_plain, plain())
+        if draft is not None and spent() + draft.best <= budget_s:
             draft.time()
     if draft is not None and draft.best == float("inf"):
         draft.time()

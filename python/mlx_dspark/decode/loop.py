@@ -250,7 +250,13 @@ class Generation:
             feed = self.plan()
             if isinstance(feed, Commit):
                 return feed
-            return feed.finish(self.target.forward(feed.tokens.reshape(1, -1), self.cache, taps=feed.taps))
+            commit = feed.finish(self.target.forward(feed.tokens.reshape(1, -1), self.cache, taps=feed.taps))
+            policy = getattr(self.proposer, "policy", None)
+            if policy is not None and policy.adaptive and (feed.width > 1 or feed.finish == self._finish_plain):
+                # the cost model's live correction: rounds, and pipelined plain steps (a synchronous
+                # one follows a round and is its cost, not plain decoding's)
+                policy.timed(feed.width, time.perf_counter() - t)
+            return commit
         finally:
             self.res.decode_s += time.perf_counter() - t
 

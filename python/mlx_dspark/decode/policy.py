@@ -25,7 +25,9 @@ CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decod
   parks: the loop takes pipelined plain steps, and a probe round every `park` tokens (doubling
   from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN when one wins) keeps p_i live.
   A probe "wins" only when it leaves the source RESUME_MARGIN ahead: one lucky draft must not
-  resume a source that then loses several rounds in a row (hysteresis).
+  resume a source that then loses several rounds in a row (hysteresis). The curve is corrected
+  live: the loop reports each step's wall time (`timed`), and an exponential average of measured
+  over calibrated cost, one for rounds and one for plain steps, scales the two sides.
 
 `plain_reason(costs)` says when speculation cannot pay on this machine at all, even with very high
 acceptance at the best width (for a drafter whose acceptance the registry records, a margin over
@@ -58,6 +60,8 @@ PRIOR = {"drafter": 0.6, "lookup": 0.5, "lookup-long": 0.8}
 ALPHA = 0.25
 MARGIN = 1.03  # a round must beat plain decoding by 3% in expectation
 RESUME_MARGIN = 1.10  # a parked source resumes when a probe leaves it 10% ahead (hysteresis)
+LIVE_ALPHA = 0.1  # live cost correction: the weight of one timed step
+LIVE_RANGE = (0.5, 2.0)  # bounds of a live correction (a step that hit a pause or a first-call cost)
 PROBE_MIN, PROBE_MAX = 16, 256
 BEST_CASE_P = 0.9  # plain_reason: acceptance no real drafter beats, per slot
 CEILING_MARGIN = 1.25  # plain_reason: a measured drafter may earn this much more than its best domain
@@ -85,6 +89,10 @@ class DraftPolicy:
     def result(self, source: str, proposed: int, accepted: int, n_hist: int, depth: int = 0) -> None:
         """A verified round of `source` (a lookup match `depth` deep): `accepted` of `proposed`
         drafts survived."""
+
+    def timed(self, width: int, seconds: float) -> None:
+        """The loop's wall time of one step that verified `width` tokens (1: a plain step; more:
+        the round of the last `result`, its drafter pass included)."""
 
     def prefer_lookup(self, lookup_len: int, depth: int, drafter_len: int) -> bool:
         """Hybrid proposers: spend this round on the free lookup draft rather than the drafter?"""
@@ -210,6 +218,11 @@ class CostPolicy(DraftPolicy):
         self.slots = {s: _Slots(p) for s, p in PRIOR.items()}
         self.parks = {s: _Park() for s in PRIOR}
         self.counts = {"probe_rounds": 0, "rounds": 0}
+        # Live corrections of the calibrated curve: the loop's measured step times over the
+        # curve's (a few seconds of calibration on a shared machine misjudge both by ~10%, and a
+        # real context is longer than the calibration's), for rounds and for plain steps.
+        self.round_scale, self.plain_scale = 1.0, 1.0
+        self._last_source = "drafter"
         self.plain_rate = 1.0 / costs.plain
 
     def _draft_cost(self, source: str) -> float:
@@ -217,7 +230,17 @@ class CostPolicy(DraftPolicy):
 
     def rate(self, source: str, k: int, depth: int = 0) -> float:
         s = self.slots[self._kind(source, depth)]
-        return s.tau(k) / (self._draft_cost(source) + self.costs.verify(k + 1))
+        return s.tau(k) / ((self._draft_cost(source) + self.costs.verify(k + 1)) * self.round_scale)
+
+    def timed(self, width: int, seconds: float) -> None:
+        lo, hi = LIVE_RANGE
+        if width <= 1:
+            x = seconds / self.costs.plain
+            self.plain_scale += LIVE_ALPHA * (min(max(x, lo), hi) - self.plain_scale)
+            self.plain_rate = 1.0 / (self.costs.plain * self.plain_scale)
+        else:
+            x = seconds / (self._draft_cost(self._last_source) + self.costs.verify(width))
+            self.round_scale += LIVE_ALPHA * (min(max(x, lo), hi) - self.round_scale)
 
     @staticmethod
     def _kind(source: str, depth: int) -> str:
@@ -267,6 +290,7 @@ class CostPolicy(DraftPolicy):
         if proposed == 0:
             return
         self.counts["rounds"] += 1
+        self._last_source = source
         self.slots[self._kind(source, depth)].update(proposed, accepted)
         park = self.parks[source]
         if park.probing:
@@ -286,7 +310,13 @@ class CostPolicy(DraftPolicy):
         return r_look >= r_draft
 
     def stats(self) -> dict:
-        return {"policy": "cost", **self.counts, "p_drafter": [round(x, 2) for x in self.slots["drafter"].p[:8]]}
+        return {
+            "policy": "cost",
+            **self.counts,
+            "p_drafter": [round(x, 2) for x in self.slots["drafter"].p[:8]],
+            "live_round_scale": round(self.round_scale, 3),
+            "live_plain_scale": round(self.plain_scale, 3),
+        }
 
 
 def slot_acceptance(tau: float, k: int) -> float:

@@ -160,10 +160,19 @@ def kernel_paths() -> dict:
         return "reference (self-check failed)" if _checked.get((path, kernel)) is False else path
 
     wg = wide_gemm_policy()
+    from . import invariant
+
+    ext = _native.ext(warn=False)
+    cpu_native = mx.default_device() == mx.cpu and ext is not None
+    attention = invariant.attention_path()
+    if attention == "reference" and mx.default_device() == mx.cpu and _native.kernels_mode() != "reference":
+        attention = "native-cpu (float32)" if cpu_native else "rows (MLX's attention, one call per row)"
     return {
         "backend": _backend(),
         "greedy_accept": shown("greedy_accept"),
         "sampling_accept": shown("sampling_accept"),
+        "decode_attention": attention,
+        "draft_ops": f"native-cpu ({ext.draft_ops_isa()})" if cpu_native else "MLX's ops",
         "wide_gemm": (
             f"on (>= {wg['min_rows']} rows, {wg['compute']} GEMM): {wg['why']}"
             if wg["enabled"]

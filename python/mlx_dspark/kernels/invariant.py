@@ -10,8 +10,11 @@ over its own causal keys, in fixed chunks of CHUNK keys, in key order
 Paths, picked per backend (`attention_path()`):
   cuda       the GPU body through mx.fast.cuda_kernel (reads the cache through its strides: no copy)
   metal      the same body through mx.fast.metal_kernel (compile-checked on Linux)
-  rows       the CPU: each query row alone through MLX's own attention, over exactly its causal
-             keys (invariant_attention_rows: the plain step's call, so bit-identical to it)
+  native     the CPU with the extension, float32: csrc/invariant_attention.cpp, one op per call
+             whatever the width (each row over its own causal keys in a fixed order)
+  rows       the CPU otherwise: each query row alone through MLX's own attention, over exactly its
+             causal keys (invariant_attention_rows: the plain step's call, so bit-identical to it;
+             about eight ops per extra row per layer, so a verify round's width costs time)
   reference  pure MLX, the chunked arithmetic elementwise (MLX_DSPARK_KERNELS=reference)
 
 `active()` is the switch the fixed-width forward turns on: while it is on (in this thread),
@@ -95,6 +98,23 @@ def invariant_attention_reference(
 
 
 _MLX_SDPA = mx.fast.scaled_dot_product_attention  # MLX's own (compat wraps it after this import)
+
+
+def native_cpu(q: mx.array):
+    """The extension's CPU op for q's attention (the CPU, float32, the extension built, not
+    MLX_DSPARK_KERNELS=reference), else None."""
+    if q.dtype != mx.float32 or mx.default_device() != mx.cpu:
+        return None
+    from . import native
+
+    ext = native.ext(warn=False)
+    return None if ext is None else getattr(ext, "invariant_attention", None)
+
+
+def one_row(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """A single query row over all of k / v (its causal keys) as the CPU's plain step computes it."""
+    fn = native_cpu(q)
+    return fn(q, k, v, scale=scale) if fn is not None else _MLX_SDPA(q, k, v, scale=scale, mask=None)
 
 
 def invariant_attention_rows(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
@@ -236,7 +256,8 @@ def invariant_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> 
         if offset is not None:
             return invariant_attention_reference(q, k, v, scale, offset)
         if mx.default_device() == mx.cpu and os.environ.get("MLX_DSPARK_KERNELS", "").strip().lower() != "reference":
-            return invariant_attention_rows(q, k, v, scale)
+            fn = native_cpu(q)
+            return fn(q, k, v, scale=scale) if fn is not None else invariant_attention_rows(q, k, v, scale)
         return invariant_attention_reference(q, k, v, scale)
     return invariant_attention_gpu(q, k, v, scale, lang=path, offset=offset)
 

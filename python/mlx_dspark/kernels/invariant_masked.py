@@ -6,16 +6,16 @@ gathered layout in which every query's keys sit in its plain ring order, the oth
 so mlx-lm calls mx.fast.scaled_dot_product_attention with an array mask [w, L]. The invariant
 causal op (kernels/invariant.py) takes only "causal" / no mask, and MLX's own masked attention
 reduces in a shape-dependent order (on a GPU, and on the CPU with OpenBLAS), so gemma3 / gemma4
-failed the load self-check there. Row i of the plain step is the invariant op (or MLX's single-query
-attention on the CPU) over the ring's n_i keys; here row i is the same op over the same n_i keys in
+failed the load self-check there. Row i of the plain step is the invariant op over the ring's n_i
+keys; here row i is the same op over the same n_i keys in
 the same order (its visible keys, compacted), so the two are bit-identical.
 
 Paths (`kernels.invariant.attention_path()`):
   cuda / metal  the body of kernels/gpu/invariant_attention.h (ds_ia_row, unchanged) through a
                 launcher that gives row i its own key list (the compacted keys) and length n_i
-  reference     the CPU: each row alone through MLX's own single-query attention over its visible
-                keys (invariant.invariant_attention_rows' call), or, with MLX_DSPARK_KERNELS=reference,
-                the pure-MLX chunked reference per row
+  reference     the CPU: each row alone over its visible keys as the CPU's plain step computes a
+                row (invariant.one_row: the native op, or MLX's single-query attention without the
+                extension), or, with MLX_DSPARK_KERNELS=reference, the pure-MLX chunked reference
 The compaction (which keys each row sees) is read from the mask once per mask array and cached:
 sliding.py builds each layout's mask once and reuses it.
 """
@@ -114,7 +114,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
         if forced:
             out.append(inv.invariant_attention_reference(qi, ki, vi, scale))
         else:
-            out.append(inv._MLX_SDPA(qi, ki, vi, scale=scale, mask=None))
+            out.append(inv.one_row(qi, ki, vi, scale))
     return mx.concatenate(out, axis=2)
 
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..kernels import draft_ops
+
 
 @dataclass
 class BackboneConfig:
@@ -70,16 +72,28 @@ class ProportionalRoPE:
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self.freqs)
 
+    def rates(self) -> mx.array:
+        """Radians per position of each pair (i, i + head_dim/2): 1 / period, 0 for NoPE pairs."""
+        return 1.0 / self.freqs
+
 
 class PlainRoPE:
     """NeoX-style RoPE over the first `dims` dims of each head (all of them by default)."""
 
-    def __init__(self, dims: int, theta: float):
+    def __init__(self, dims: int, theta: float, full_head: bool = False):
         self.dims = dims
         self.theta = theta
+        self.full_head = full_head  # dims is the whole head_dim (the native attention's rotation)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return mx.fast.rope(x, self.dims, traditional=False, base=self.theta, scale=1.0, offset=offset)
+
+    def rates(self) -> mx.array | None:
+        """Radians per position of each pair (i, i + head_dim/2), or None when only part of the
+        head rotates (its pairs are (i, i + dims/2))."""
+        if not self.full_head:
+            return None
+        return self.theta ** (-mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims)
 
 
 def make_rope(cfg: BackboneConfig):
@@ -88,7 +102,7 @@ def make_rope(cfg: BackboneConfig):
         return ProportionalRoPE(hd, cfg.rope_theta, cfg.partial_rotary_factor)
     if cfg.rope_type == "default":
         dims = int(hd * cfg.partial_rotary_factor)
-        return PlainRoPE(dims - dims % 2, cfg.rope_theta)
+        return PlainRoPE(dims - dims % 2, cfg.rope_theta, full_head=dims == hd)
     # linear / llama3 / yarn / ...: mlx-lm implements these from the HF scaling block.
     from mlx_lm.models.rope_utils import initialize_rope
 
@@ -186,10 +200,24 @@ class DraftAttention(nn.Module):
         start = cache.offset
         k, v = self._kv(rows, rope, start)
         keys, values = cache.write(k, v, keep=n_ctx)  # block rows are transient
-        q = self.q_norm(self.q_proj(x).reshape(B, L, cfg.num_heads, cfg.head_dim)).transpose(0, 2, 1, 3)
+        q = self.q_proj(x)
+        if B == 1:
+            fused = self._native(q[0], keys, values, rope, start + n_ctx)
+            if fused is not None:
+                return self.o_proj(fused[None])
+        q = self.q_norm(q.reshape(B, L, cfg.num_heads, cfg.head_dim)).transpose(0, 2, 1, 3)
         q = rope(q, offset=start + n_ctx)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=cfg.attn_scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _native(self, q: mx.array, keys, values, rope, position: int) -> mx.array | None:
+        """q-norm, RoPE and attention of q [L, H*D] as one native op (a drafter pass on the CPU:
+        kernels/draft_ops.py), or None."""
+        cfg = self.cfg
+        return draft_ops.attention(
+            q, self.q_norm, keys, values, rope,
+            num_heads=cfg.num_heads, position=position, scale=cfg.attn_scale, eps=cfg.rms_norm_eps,
+        )  # fmt: skip
 
     def call_rows(self, x: mx.array, ctxs: list, rope, caches: list) -> mx.array:
         """__call__ for B rows at once: x [B, L, H] the rows' blocks, ctxs[b] row b's new context
@@ -205,7 +233,8 @@ class DraftAttention(nn.Module):
         k = self.k_proj(rows).reshape(1, -1, nkv, hd)
         v = mx.fast.rms_norm(k, None, cfg.rms_norm_eps) if cfg.k_eq_v else self.v_proj(rows).reshape(1, -1, nkv, hd)
         k = self.k_norm(k)
-        q = self.q_norm(self.q_proj(x).reshape(B, L, cfg.num_heads, hd)).transpose(0, 2, 1, 3)
+        q_rows = self.q_proj(x)
+        q = None
         outs, at = [], 0
         for b in range(B):
             n = pieces[b].shape[1]
@@ -213,9 +242,15 @@ class DraftAttention(nn.Module):
             start = caches[b].offset
             kb = rope(k[:, at : at + n].transpose(0, 2, 1, 3), offset=start)
             keys, values = caches[b].write(kb, v[:, at : at + n].transpose(0, 2, 1, 3), keep=n_ctx)
-            qb = rope(q[b : b + 1], offset=start + n_ctx)
             mask = getattr(caches[b], "mask", None)  # a compiled pass's buffer (models/compiled_draft.py)
-            outs.append(mx.fast.scaled_dot_product_attention(qb, keys, values, scale=cfg.attn_scale, mask=mask))
+            fused = None if mask is not None else self._native(q_rows[b], keys, values, rope, start + n_ctx)
+            if fused is not None:
+                outs.append(fused.reshape(1, L, cfg.num_heads, hd).transpose(0, 2, 1, 3))
+            else:
+                if q is None:
+                    q = self.q_norm(q_rows.reshape(B, L, cfg.num_heads, hd)).transpose(0, 2, 1, 3)
+                qb = rope(q[b : b + 1], offset=start + n_ctx)
+                outs.append(mx.fast.scaled_dot_product_attention(qb, keys, values, scale=cfg.attn_scale, mask=mask))
             at += n
         out = mx.concatenate(outs, axis=0) if B > 1 else outs[0]
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -230,9 +265,13 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        g = self.gate_proj(x)
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if not self.gelu:
+            fused = draft_ops.silu_mul(g, u)  # a drafter pass on the CPU (kernels/draft_ops.py)
+            if fused is not None:
+                return self.down_proj(fused)
         g = nn.gelu_approx(g) if self.gelu else nn.silu(g)  # gelu_approx is the tanh form
-        return self.down_proj(g * self.up_proj(x))
+        return self.down_proj(g * u)
 
 
 class DraftLayer(nn.Module):

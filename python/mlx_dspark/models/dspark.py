@@ -114,11 +114,31 @@ class DSparkDrafter(BlockDrafter):
             from .draft_vocab import row_subset
 
             self._w2 = row_subset(self.markov.markov_w2, self.vocab_ids)
+            w2 = self.markov.markov_w2
+            self._w2_rows = None if "scales" in w2 else w2.weight[self.vocab_ids]  # the native chain's W2
+            if self._w2_rows is not None:
+                mx.eval(self._w2_rows)
 
     def markov_bias(self, prev: mx.array) -> mx.array:
         if self.vocab_ids is None:
             return self.markov(prev)
         return self._w2(self.markov.markov_w1(prev.reshape(1)))[0]
+
+    def _native_chain(self, U: mx.array, prev: mx.array) -> mx.array | None:
+        """kernels/draft_ops.markov_greedy over the slots' logits U, or None (MLX's ops run)."""
+        w1 = self.markov.markov_w1
+        if "scales" in w1:
+            return None
+        if self.vocab_ids is None:
+            w2 = self.markov.markov_w2
+            w2 = None if "scales" in w2 else w2.weight
+        else:
+            w2 = getattr(self, "_w2_rows", None)
+        if w2 is None:
+            return None
+        from ..kernels import draft_ops
+
+        return draft_ops.markov_greedy(U, w1.weight, w2, self.vocab_ids, prev)
 
     def confidence_logits(self, hidden: mx.array, prevs: mx.array) -> mx.array:
         """s [k] for slot states hidden [k, H] and their previous tokens prevs [k]."""
@@ -136,6 +156,13 @@ class DSparkDrafter(BlockDrafter):
             return toks, qs, conf
         U = self.logits(hidden)
         prev = anchor if isinstance(anchor, mx.array) else mx.array(int(anchor), dtype=mx.int32)
+        chain = self._native_chain(U, prev) if getattr(choose, "argmax", False) else None
+        if chain is not None:  # the greedy chain as one native op (a drafter pass on the CPU)
+            conf = None
+            if self.conf_head is not None and threshold > 0:
+                prevs = mx.concatenate([prev.reshape(1).astype(mx.int32), chain[:-1]])
+                conf = self.confidence_logits(hidden, prevs)
+            return [chain[j] for j in range(chain.shape[0])], [None] * chain.shape[0], conf
         toks, qs, prevs = [], [], []
         for j in range(U.shape[0]):
             z = U[j] + self.markov_bias(prev).astype(U.dtype)
