@@ -7,8 +7,8 @@ so mlx-lm calls mx.fast.scaled_dot_product_attention with an array mask [w, L]. 
 causal op (kernels/invariant.py) takes only "causal" / no mask, and MLX's own masked attention
 reduces in a shape-dependent order (on a GPU, and on the CPU with OpenBLAS), so gemma3 / gemma4
 failed the load self-check there. Row i of the plain step is the invariant op over the ring's n_i
-keys; here row i is the same op over the same n_i keys in
-the same order (its visible keys, compacted), so the two are bit-identical.
+keys; here row i is the same op over the same n_i keys in the same order (its visible keys,
+compacted), so the two are bit-identical.
 
 Paths (`kernels.invariant.attention_path()`):
   cuda / metal  the body of kernels/gpu/invariant_attention.h (ds_ia_row, unchanged) through a
