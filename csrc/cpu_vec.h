@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -185,7 +186,8 @@ inline const Vec& vec() {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
       return Vec{markov_argmax_avx2, dot_avx2, axpy_avx2, exp_shift_sum_avx2, silu_mul_avx2, "avx2"};
 #endif
-    return Vec{markov_argmax_portable, dot_portable, axpy_portable, exp_shift_sum_portable, silu_mul_portable, "portable"};
+    return Vec{markov_argmax_portable, dot_portable, axpy_portable,
+               exp_shift_sum_portable, silu_mul_portable, "portable"};
   }();
   return v;
 }
@@ -196,7 +198,7 @@ inline const Vec& vec() {
 
 inline mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
   auto st = mx::to_stream(s);
-  if (st.device != mx::Device::cpu) fail(op, "runs on the CPU (other devices use kernels/draft_ops.py's reference)");
+  if (st.device != mx::Device::cpu) fail(op, "runs on the CPU (other devices run the op's pure-MLX reference)");
   return st;
 }
 
@@ -210,6 +212,5 @@ inline void begin(const mx::Stream& stream, const std::vector<mx::array>& inputs
   for (const auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
 }
-
 
 }  // namespace dspark::cpu
