@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -180,12 +181,16 @@ struct Vec {
   const char* name;
 };
 
+// MLX_DSPARK_CPU_ISA=portable picks the portable set on any CPU (tests cover it that way).
 inline const Vec& vec() {
   static const Vec v = [] {
+    const char* isa = std::getenv("MLX_DSPARK_CPU_ISA");
+    const bool portable = isa != nullptr && std::string(isa) == "portable";
 #ifdef DSPARK_X86
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (!portable && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
       return Vec{markov_argmax_avx2, dot_avx2, axpy_avx2, exp_shift_sum_avx2, silu_mul_avx2, "avx2"};
 #endif
+    (void)portable;
     return Vec{markov_argmax_portable, dot_portable, axpy_portable,
                exp_shift_sum_portable, silu_mul_portable, "portable"};
   }();

@@ -188,3 +188,41 @@ def test_generations_with_the_fused_ops_equal_baseline(dkey, counted):
     spec = md.generate(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=48)
     assert spec.tokens == base.tokens and spec.text == base.text
     assert spec.stats["drafter_accepted"] > 0 and "draft_attention" in counted
+
+
+def test_the_portable_fallbacks_equal_the_references_too():
+    """MLX_DSPARK_CPU_ISA=portable: the ops' scalar set (a CPU without AVX2 + FMA), in its own process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import mlx.core as mx
+        from mlx_dspark.kernels import draft_ops, invariant, native
+        ext = native.ext(warn=False)
+        assert ext.draft_ops_isa() == "portable", ext.draft_ops_isa()
+        k = mx.random.key(3)
+        q, kv = mx.random.normal((5, 4 * 16), key=k), mx.random.normal((2, 1, 2, 40, 16), key=mx.random.key(4))
+        w, rates = mx.ones((16,)), mx.array([1.0, 0.5, 0.1, 0.05, 0.01, 0.0, 0.0, 0.0])
+        kw = dict(num_heads=4, position=9, scale=0.25, eps=1e-6)
+        a = ext.draft_attention(q, w, kv[0], kv[1], rates, **kw)
+        assert mx.allclose(a, draft_ops.attention_reference(q, w, kv[0], kv[1], rates, **kw), atol=2e-5).item()
+        g, u = mx.random.normal((3, 37), key=k) * 20, mx.random.normal((3, 37), key=mx.random.key(5))
+        assert mx.allclose(ext.silu_mul(g, u), draft_ops.silu_mul_reference(g, u), atol=1e-6, rtol=1e-5).item()
+        U, w1, w2 = mx.random.normal((4, 300), key=k), mx.random.normal((300, 16), key=k), mx.random.normal((300, 16))
+        an = mx.array(7, dtype=mx.int32)
+        got = ext.markov_greedy(U, w1, w2, None, an).tolist()
+        assert got == draft_ops.markov_greedy_reference(U, w1, w2, None, an).tolist()
+        qd = mx.random.normal((1, 4, 3, 16), key=k)
+        d = ext.invariant_attention(qd, kv[0], kv[1], scale=0.25)
+        ref = invariant.invariant_attention_reference(qd, kv[0], kv[1], 0.25)
+        assert mx.allclose(d, ref, atol=2e-5).item()
+        alone = ext.invariant_attention(qd[:, :, 1:2], kv[0][:, :, :39], kv[1][:, :, :39], scale=0.25)
+        assert mx.array_equal(d[:, :, 1:2], alone).item()
+        print("ok")
+        """
+    )
+    env = {**__import__("os").environ, "MLX_DSPARK_CPU_ISA": "portable"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
