@@ -83,16 +83,10 @@ def _f32(*arrays) -> bool:
 
 
 def inv_freq(rope) -> mx.array | None:
-    """The rotation rates of `rope` (models/drafter_backbone.py: its `rates()`) in the pairs
+    """The rotation rates of `rope` (models/drafter_backbone.py: its `rates`) in the pairs
     (i, i + D/2) that the native attention rotates, or None where it rotates otherwise (partial or
-    scaled RoPE). Computed once per RoPE object."""
-    cached = getattr(rope, "_inv_freq", None)
-    if cached is None:
-        rates = getattr(rope, "rates", lambda: None)()
-        cached = mx.array([], dtype=mx.float32) if rates is None else rates.astype(mx.float32)
-        mx.eval(cached)
-        rope._inv_freq = cached
-    return cached if cached.size else None
+    scaled RoPE)."""
+    return getattr(rope, "rates", None)
 
 
 def attention(q, q_norm, keys, values, rope, *, num_heads: int, position: int, scale: float, eps: float):

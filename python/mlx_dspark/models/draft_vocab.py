@@ -149,6 +149,7 @@ def row_subset(proj, ids: mx.array) -> Callable[[mx.array], mx.array]:
             return y
         return x @ wt if bias is None else mx.addmm(bias, x, wt)
 
+    f.dense_weight = w  # the gathered rows, for a kernel that takes the weight itself
     return f
 
 

@@ -68,13 +68,10 @@ class ProportionalRoPE:
         periods = [theta**e for e in exps] + [math.inf] * (head_dim // 2 - rotated_pairs)
         self.dims = head_dim
         self.freqs = mx.array(periods, dtype=mx.float32)
+        self.rates = 1.0 / self.freqs  # radians per position of pair (i, i + head_dim/2); 0: NoPE
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self.freqs)
-
-    def rates(self) -> mx.array:
-        """Radians per position of each pair (i, i + head_dim/2): 1 / period, 0 for NoPE pairs."""
-        return 1.0 / self.freqs
 
 
 class PlainRoPE:
@@ -83,17 +80,12 @@ class PlainRoPE:
     def __init__(self, dims: int, theta: float, full_head: bool = False):
         self.dims = dims
         self.theta = theta
-        self.full_head = full_head  # dims is the whole head_dim (the native attention's rotation)
+        # Radians per position of pair (i, i + head_dim/2), the native attention's rotation; None
+        # when only part of the head rotates (its pairs are (i, i + dims/2)).
+        self.rates = theta ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims) if full_head else None
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return mx.fast.rope(x, self.dims, traditional=False, base=self.theta, scale=1.0, offset=offset)
-
-    def rates(self) -> mx.array | None:
-        """Radians per position of each pair (i, i + head_dim/2), or None when only part of the
-        head rotates (its pairs are (i, i + dims/2))."""
-        if not self.full_head:
-            return None
-        return self.theta ** (-mx.arange(0, self.dims, 2, dtype=mx.float32) / self.dims)
 
 
 def make_rope(cfg: BackboneConfig):

@@ -114,10 +114,6 @@ class DSparkDrafter(BlockDrafter):
             from .draft_vocab import row_subset
 
             self._w2 = row_subset(self.markov.markov_w2, self.vocab_ids)
-            w2 = self.markov.markov_w2
-            self._w2_rows = None if "scales" in w2 else w2.weight[self.vocab_ids]  # the native chain's W2
-            if self._w2_rows is not None:
-                mx.eval(self._w2_rows)
 
     def markov_bias(self, prev: mx.array) -> mx.array:
         if self.vocab_ids is None:
@@ -133,7 +129,7 @@ class DSparkDrafter(BlockDrafter):
             w2 = self.markov.markov_w2
             w2 = None if "scales" in w2 else w2.weight
         else:
-            w2 = getattr(self, "_w2_rows", None)
+            w2 = getattr(self._w2, "dense_weight", None)  # row_subset's gathered rows (None: quantized)
         if w2 is None:
             return None
         from ..kernels import draft_ops
