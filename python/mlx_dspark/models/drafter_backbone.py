@@ -69,6 +69,7 @@ class ProportionalRoPE:
         self.dims = head_dim
         self.freqs = mx.array(periods, dtype=mx.float32)
         self.rates = 1.0 / self.freqs  # radians per position of pair (i, i + head_dim/2); 0: NoPE
+        mx.eval(self.rates)  # now: a lazy array cannot be evaluated by another thread (serve's)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=self.freqs)
@@ -83,6 +84,8 @@ class PlainRoPE:
         # Radians per position of pair (i, i + head_dim/2), the native attention's rotation; None
         # when only part of the head rotates (its pairs are (i, i + dims/2)).
         self.rates = theta ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims) if full_head else None
+        if self.rates is not None:
+            mx.eval(self.rates)  # now: a lazy array cannot be evaluated by another thread (serve's)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         return mx.fast.rope(x, self.dims, traditional=False, base=self.theta, scale=1.0, offset=offset)
