@@ -51,7 +51,7 @@ def _two_rounds(key, seed=0):
     h1 = d.block_hidden(17, mx.array(rows[:9]), state)
     h2 = d.block_hidden(23, mx.array(rows[9:]), state)
     assert state[0].offset == 14  # context kept, block rows dropped
-    toks, _, conf = d.sample(h2, 23, _greedy, 0.5 if d.spec.confidence else 0.0)
+    toks, _, conf = d.sample(h2, 23, _greedy, with_conf=d.spec.confidence)
     return d, rows, np.array(h1), np.array(h2), mx.stack(toks).tolist(), conf
 
 

@@ -39,8 +39,11 @@ from sampling_fixtures import (
 )
 
 from mlx_dspark.decode import loop, sampled
+from mlx_dspark.decode.costs import Costs
+from mlx_dspark.decode.drafting import DrafterProposer
 from mlx_dspark.decode.lookup import LookupProposer
 from mlx_dspark.decode.modes import drafter_proposer
+from mlx_dspark.decode.policy import CostPolicy
 from mlx_dspark.decode.proposers import Draft, Proposer
 from mlx_dspark.decode.sampling import SamplingParams
 from mlx_dspark.models.loading import load_target
@@ -361,10 +364,10 @@ def e2e_counts(target, prompt, make_proposer, cfg: dict, n: int, seed0: int = 0,
     return counts, drafted, accepted_drafts
 
 
-def e2e_pvalue(target, prompt, make_proposer, cfg, n, seed0=0):
+def e2e_pvalue(target, prompt, make_proposer, cfg, n, seed0=0, max_new=DEPTH + 1):
     # Contexts up to length DEPTH - 1 determine the first DEPTH tokens.
     P = processed_table(exact_logits(target, prompt, DEPTH - 1), SamplingParams(**cfg), DEPTH - 1)
-    counts, drafted, acc = e2e_counts(target, prompt, make_proposer, cfg, n, seed0)
+    counts, drafted, acc = e2e_counts(target, prompt, make_proposer, cfg, n, seed0, max_new)
     return gof_pvalue(counts, expected_joint(P)), drafted, acc
 
 
@@ -375,10 +378,15 @@ E2E = {
     "known-q": ("known-q", PROMPT, dict(temperature=0.7, top_p=0.85, presence_penalty=0.6, frequency_penalty=0.4)),
     "dspark": ("dspark", PROMPT, dict(temperature=1.0, top_p=0.8)),
     "dspark-conf-pen": ("dspark-conf", PROMPT, dict(temperature=0.7, top_k=5, presence_penalty=0.7)),
+    "dspark-cut": ("dspark-cut", PROMPT, dict(temperature=1.0, top_k=6)),
     "dflash-pen": ("dflash", PROMPT, dict(temperature=1.0, top_k=4, frequency_penalty=0.8)),
     "dspark-draft-vocab": ("dspark-vocab", PROMPT, dict(temperature=1.0, top_p=0.9)),
 }
 E2E_RUNS = 600
+CUT_COSTS = Costs([1, 2, 4, 8], [0.010, 0.011, 0.013, 0.020], t_draft=0.001, origin="given")
+# Generations longer than the DEPTH tokens counted, where a round's block must not be capped by
+# the tokens left (the cut then lands at 1 to 4 of the 7 slots).
+E2E_MAX_NEW = {"dspark-cut": 12}
 # Which sampling path each runs: numpy on the host (the CPU default) or lazy MLX (the GPU default).
 E2E_HOST = {
     "baseline": True,
@@ -386,6 +394,7 @@ E2E_HOST = {
     "known-q": True,
     "dspark": False,
     "dspark-conf-pen": True,
+    "dspark-cut": False,
     "dflash-pen": False,
     "dspark-draft-vocab": True,
 }
@@ -401,6 +410,11 @@ def e2e_setup(name, target16, drafters=None):
         # Drafter-only proposals (no free lookup drafts), so every draft carries the drafter's q.
         "dspark": lambda s: drafter_proposer(drafters["dspark"], lookup_drafts=False),
         "dspark-conf": lambda s: drafter_proposer(drafters["dspark"], confidence_threshold=0.3, lookup_drafts=False),
+        # The cost model cuts each block by its confidences (CostPolicy.cut) on a curve that
+        # makes the cut land anywhere in the block.
+        "dspark-cut": lambda s: DrafterProposer(
+            drafters["dspark"], lookup_drafts=False, policy=CostPolicy(CUT_COSTS, cap=16)
+        ),
         "dflash": lambda s: drafter_proposer(drafters["dflash"], lookup_drafts=False),
         "dspark-vocab": lambda s: drafter_proposer(drafters["dspark-vocab"], lookup_drafts=False),
     }[kind]
@@ -414,7 +428,7 @@ def test_end_to_end_loop_sampling_is_exact(target16, drafters16, name, monkeypat
     n = E2E_RUNS
 
     def pvalue(seed0):
-        pv, drafted, acc = e2e_pvalue(target16, prompt, make, cfg, n, seed0)
+        pv, drafted, acc = e2e_pvalue(target16, prompt, make, cfg, n, seed0, E2E_MAX_NEW.get(name, DEPTH + 1))
         if name != "baseline":
             print(f"{name}: {drafted} drafted, {acc} accepted")
             assert drafted > n // 4 and 0 < acc < drafted, (drafted, acc)  # drafts happen, some fail

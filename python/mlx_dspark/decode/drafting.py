@@ -17,7 +17,9 @@ and are fed to the next drafter pass. Whether a round goes to lookup, to the dra
 plain step, and how many drafts it verifies, is the draft policy's decision (decode/policy.py:
 the fixed rules, or the measured cost model with `--max-draft auto`); when the policy parks the
 drafter, `wants_round` is False and the loop takes pipelined plain steps, whose tapped rows
-still feed the drafter's context.
+still feed the drafter's context. Under the cost model a DSpark block read on the host is drafted
+whole and then cut by its confidence head (DraftPolicy.cut); `--confidence-threshold` instead cuts
+at the first slot below a fixed confidence (DeepSpec's evaluator).
 
 Draft-token choice goes through `_choose` only: a lazy argmax at T = 0 without penalties (no
 sync inside the block); otherwise decode/sampled.py's DraftSampler (one per generation, its
@@ -28,6 +30,7 @@ reported q is exactly what the token was drawn from.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -68,6 +71,7 @@ class _DrafterPass:
     max_draft: int
     sampling: object
     history: list
+    cut: bool = False  # the policy cuts the drafted block by its confidences (DraftPolicy.cut)
 
 
 def confident_prefix(conf_logits: list[float], threshold: float) -> int:
@@ -76,15 +80,13 @@ def confident_prefix(conf_logits: list[float], threshold: float) -> int:
     if threshold <= 0:
         return len(conf_logits)
     for j, s in enumerate(conf_logits):
-        if 1.0 / (1.0 + _exp(-s)) < threshold:
+        if _sigmoid(s) < threshold:
             return j
     return len(conf_logits)
 
 
-def _exp(x: float) -> float:
-    import math
-
-    return math.exp(x) if x < 700 else math.inf
+def _sigmoid(s: float) -> float:
+    return 1.0 / (1.0 + math.exp(-s)) if s > -700 else 0.0
 
 
 class DrafterProposer(Proposer):
@@ -178,7 +180,7 @@ class DrafterProposer(Proposer):
 
     def _compiled_draft(self, got: "_DrafterPass", lazy) -> Draft:
         """The Draft of a compiled greedy pass: left on the device where it may be, else read."""
-        if self.device_drafts and self.threshold <= 0:
+        if self.device_drafts and not self._with_conf(got):
             return self._drafted_on_device(got, lazy[3][0])
         mx.eval(lazy[3])
         return self._drafted(got, *lazy)
@@ -200,7 +202,7 @@ class DrafterProposer(Proposer):
         greedy_block = getattr(self.drafter, "greedy_block", None)
         if greedy_block is None or not _lazy_argmax(got.sampling):
             return None
-        return self._greedy_lazy(got, greedy_block(got.anchor, got.rows, self.state, self.threshold))
+        return self._greedy_lazy(got, greedy_block(got.anchor, got.rows, self.state, self._with_conf(got)))
 
     def _greedy_lazy(self, got: "_DrafterPass", out):
         """_sample's result shape for a compiled pass's (tokens, confidences), cut to the draft."""
@@ -233,13 +235,13 @@ class DrafterProposer(Proposer):
         elif pend:
             d = pend[0][1].drafter
             rows_pass = getattr(d, "greedy_block_rows", None)
-            thresholds = {p.threshold for _, p, _ in pend}
-            if rows_pass is not None and len(thresholds) == 1 and all(_lazy_argmax(g.sampling) for _, _, g in pend):
+            with_conf = {p._with_conf(g) for _, p, g in pend}
+            if rows_pass is not None and len(with_conf) == 1 and all(_lazy_argmax(g.sampling) for _, _, g in pend):
                 outs = rows_pass(
                     [g.anchor for _, _, g in pend],
                     [g.rows for _, _, g in pend],
                     [p.state for _, p, _ in pend],
-                    thresholds.pop(),
+                    with_conf.pop(),
                 )
                 if outs is not None:
                     for (i, p, got), out in zip(pend, outs):
@@ -273,10 +275,31 @@ class DrafterProposer(Proposer):
         n = len(history)
         if not self.policy.ready("drafter", n):
             return Draft()
-        max_draft = self.policy.length("drafter", min(max_draft, self.block_drafts), n)
+        offered = min(max_draft, self.block_drafts)
+        max_draft = self.policy.length("drafter", offered, n)
         if max_draft <= 0:
             return Draft()
-        return _DrafterPass(time.perf_counter(), history[-1], self._take_rows(), max_draft, sampling, list(history))
+        cut = self._cuts(sampling)
+        if cut:  # the whole block is drafted; its confidences decide how much of it to verify
+            max_draft = offered
+        return _DrafterPass(
+            time.perf_counter(), history[-1], self._take_rows(), max_draft, sampling, list(history), cut
+        )
+
+    def _cuts(self, sampling) -> bool:
+        """Does the policy cut this round's block by its confidences? Where the drafter has a
+        confidence head, no fixed threshold is set, and the drafts are read on the host (a
+        compiled greedy pass leaves them on the device: one sync a round, no cut)."""
+        if self.threshold > 0 or not self.policy.cuts_by_confidence or getattr(self.drafter, "conf_head", None) is None:
+            return False
+        from ..models import compiled_draft
+
+        on_device = self.device_drafts and _lazy_argmax(sampling) and compiled_draft.for_drafter(self.drafter)
+        return not on_device
+
+    def _with_conf(self, got: "_DrafterPass") -> bool:
+        """Does this pass compute its slots' confidences (a threshold or the policy cuts with them)?"""
+        return self.threshold > 0 or got.cut
 
     def _sample(self, got: "_DrafterPass", hidden: mx.array):
         """The draft of slot states hidden [block_drafts, H], lazily: (tokens, q rows, confidences,
@@ -291,13 +314,17 @@ class DrafterProposer(Proposer):
             return self._choose(row, sampling, hist + [int(t.item()) for t in drafted])
 
         choose.argmax = _lazy_argmax(sampling)  # a plain argmax: the drafter may pick it within its draft vocabulary
-        toks, qs, conf = self.drafter.sample(hidden[:k], got.anchor, choose, self.threshold)
+        toks, qs, conf = self.drafter.sample(hidden[:k], got.anchor, choose, self._with_conf(got))
         return toks, qs, conf, [mx.stack(toks)] + ([conf] if conf is not None else [])
 
     def _drafted(self, got: "_DrafterPass", toks, qs, conf, outs) -> Draft:
         tokens = outs[0].tolist()
         if conf is not None:
-            keep = confident_prefix(conf.astype(mx.float32).tolist(), self.threshold)
+            logits = conf.astype(mx.float32).tolist()
+            if got.cut:
+                keep = self.policy.cut("drafter", [_sigmoid(s) for s in logits])
+            else:
+                keep = confident_prefix(logits, self.threshold)
             if keep < len(tokens):
                 self.counters["truncated_rounds"] += 1
             tokens = tokens[:keep]

@@ -57,12 +57,12 @@ class CompiledDraft:
 
     def __init__(self, drafter):
         self._drafter = drafter
-        self._row_fns: dict = {}  # threshold -> mx.compile'd pass of one row or several (decode/batch.py)
+        self._row_fns: dict = {}  # with_conf -> mx.compile'd pass of one row or several (decode/batch.py)
         self.traces = 0
         self.failed: str | None = None  # why a pass could not run here: the drafter drafts op by op
 
-    def _pass(self, threshold: float):
-        fn = self._row_fns.get(threshold)
+    def _pass(self, with_conf: bool):
+        fn = self._row_fns.get(with_conf)
         if fn is None:
             d = self._drafter
             S, n = d.block_size, len(d.model.layers)
@@ -82,14 +82,14 @@ class CompiledDraft:
                 h = d.model.run_block_rows(emb, [None] * B, caches)[:, d.spec.logits_start :]
                 outs = []
                 for b in range(B):
-                    toks, _, conf = d.sample(h[b], anchors[b], _greedy, threshold)
+                    toks, _, conf = d.sample(h[b], anchors[b], _greedy, with_conf)
                     outs += [mx.stack(toks)] + ([conf] if conf is not None else [])
                 return outs
 
-            fn = self._row_fns[threshold] = mx.compile(run)
+            fn = self._row_fns[with_conf] = mx.compile(run)
         return fn
 
-    def rows(self, anchors: list, rows: list, states: list, threshold: float):
+    def rows(self, anchors: list, rows: list, states: list, with_conf: bool):
         """__call__ for several generations in one traced pass: the projections over all rows'
         blocks at once, each row's attention over its own context buffer. A list of (tokens,
         confidences or None), lazy; None where a state has no buffer yet (op-by-op rows run)."""
@@ -107,7 +107,7 @@ class CompiledDraft:
             values += [c.values for c in st]
         traced = self.traces
         try:
-            outs = self._pass(float(threshold))(
+            outs = self._pass(bool(with_conf))(
                 mx.array([int(a) for a in anchors], dtype=mx.int32),
                 mx.array([st[0].offset for st in states], dtype=mx.int32),
                 keys,
@@ -122,17 +122,17 @@ class CompiledDraft:
             hidden = d.block_hidden_rows(anchors, [None] * len(anchors), states)
             got = []
             for b, a in enumerate(anchors):
-                toks, _, conf = d.sample(hidden[b], a, _greedy, threshold)
+                toks, _, conf = d.sample(hidden[b], a, _greedy, with_conf)
                 got.append((mx.stack(toks), conf))
             return got
         per = len(outs) // len(anchors)
         return [(outs[b * per], outs[b * per + 1] if per > 1 else None) for b in range(len(anchors))]
 
-    def __call__(self, anchor: int, rows: mx.array | None, state: list, threshold: float):
+    def __call__(self, anchor: int, rows: mx.array | None, state: list, with_conf: bool):
         """(tokens [block_drafts], confidences [block_drafts] or None), lazy, after ingesting
         `rows` into `state`; None where the state has no buffer yet (the op-by-op pass runs).
         A generation drafting alone is the one-row case of `rows`."""
-        got = self.rows([anchor], [rows], [state], threshold)
+        got = self.rows([anchor], [rows], [state], with_conf)
         return None if got is None else got[0]
 
 

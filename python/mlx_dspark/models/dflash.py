@@ -102,24 +102,24 @@ class BlockDrafter:
         emb = self.embed(ids.reshape(-1)).reshape(len(anchors), self.block_size, -1)
         return self.model.run_block_rows(emb, rows, states)[:, self.spec.logits_start :]
 
-    def greedy_block(self, anchor: int, rows: mx.array | None, state: list[ContextKV], threshold: float = 0.0):
+    def greedy_block(self, anchor: int, rows: mx.array | None, state: list[ContextKV], with_conf: bool = False):
         """(tokens [block_drafts], confidences or None), lazy: one compiled greedy pass after
         ingesting `rows` (models/compiled_draft.py), or None where passes are not compiled here
         (the caller runs block_hidden and sample)."""
         from . import compiled_draft
 
         compiled = compiled_draft.for_drafter(self)
-        return None if compiled is None else compiled(anchor, rows, state, threshold)
+        return None if compiled is None else compiled(anchor, rows, state, with_conf)
 
-    def greedy_block_rows(self, anchors: list, rows: list, states: list, threshold: float = 0.0):
+    def greedy_block_rows(self, anchors: list, rows: list, states: list, with_conf: bool = False):
         """greedy_block for several generations in one compiled pass: a list of (tokens,
         confidences or None), lazy; None where passes are not compiled here."""
         from . import compiled_draft
 
         compiled = compiled_draft.for_drafter(self)
-        return None if compiled is None else compiled.rows(anchors, rows, states, threshold)
+        return None if compiled is None else compiled.rows(anchors, rows, states, with_conf)
 
-    def sample(self, hidden: mx.array, anchor: int, choose: Chooser, threshold: float = 0.0):
+    def sample(self, hidden: mx.array, anchor: int, choose: Chooser, with_conf: bool = False):
         """Draft tokens from slot states hidden [k, H]: (tokens [k] lazy, q rows or None, confidences or None).
 
         Without a Markov head the slots are independent."""

@@ -11,11 +11,12 @@ Per round, for the k draft slots (slot j predicts the token at anchor position +
       x_j = choose(z_j); prev = x_j
   s_j = proj([hidden_j ; W1[prev_j]]) + b      (prev_j = anchor for j = 0, else x_{j-1})
 
-Adaptive truncation (decode/drafting.py's confident_prefix) follows DeepSpec's evaluator
-(`_confident_prefix_length`): with threshold
-tau > 0 the proposal is cut at the FIRST j with sigmoid(s_j) < tau (a per-position test, not a
-cumulative product); 0 means a plain step. It only ever shortens the draft, so it cannot change
-the output.
+Adaptive truncation: with `--confidence-threshold` tau > 0 (decode/drafting.py's
+confident_prefix, as DeepSpec's evaluator `_confident_prefix_length`) the proposal is cut at the
+FIRST j with sigmoid(s_j) < tau (a per-position test, not a cumulative product); 0 means a plain
+step. Under the cost model (decode/policy.py, CostPolicy.cut) the confidences are weighed against
+the verify's cost per width instead. Either only ever shortens the draft, before the slot it
+drops is verified, so neither can change the output.
 
 The greedy path never syncs inside the block: each step's argmax stays a lazy array that the
 next step's W1 gather consumes, and the whole block is evaluated once.
@@ -143,11 +144,11 @@ class DSparkDrafter(BlockDrafter):
             feats = mx.concatenate([hidden, self.markov.markov_w1(prevs).astype(hidden.dtype)], axis=-1)
         return self.conf_head.proj(feats)[:, 0]
 
-    def sample(self, hidden: mx.array, anchor: int, choose: Chooser, threshold: float = 0.0):
+    def sample(self, hidden: mx.array, anchor: int, choose: Chooser, with_conf: bool = False):
         if self.markov is None:
-            toks, qs, _ = super().sample(hidden, anchor, choose, threshold)
+            toks, qs, _ = super().sample(hidden, anchor, choose)
             conf = None
-            if self.conf_head is not None and threshold > 0:
+            if self.conf_head is not None and with_conf:
                 conf = self.confidence_logits(hidden, None)  # no Markov head: hidden features only
             return toks, qs, conf
         U = self.logits(hidden)
@@ -155,7 +156,7 @@ class DSparkDrafter(BlockDrafter):
         chain = self._native_chain(U, prev) if getattr(choose, "argmax", False) else None
         if chain is not None:  # the greedy chain as one native op (a drafter pass on the CPU)
             conf = None
-            if self.conf_head is not None and threshold > 0:
+            if self.conf_head is not None and with_conf:
                 prevs = mx.concatenate([prev.reshape(1).astype(mx.int32), chain[:-1]])
                 conf = self.confidence_logits(hidden, prevs)
             return [chain[j] for j in range(chain.shape[0])], [None] * chain.shape[0], conf
@@ -168,7 +169,7 @@ class DSparkDrafter(BlockDrafter):
             qs.append(q)
             prev = t
         conf = None
-        if self.conf_head is not None and threshold > 0 and toks:
+        if self.conf_head is not None and with_conf and toks:
             conf = self.confidence_logits(hidden, mx.stack(prevs).astype(mx.int32))
         return toks, qs, conf
 

@@ -1,0 +1,114 @@
+"""The cost model with and without its per-round confidence cut (decode/policy.py, CostPolicy.cut).
+
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+      python bench/bench_confidence_cut.py [--classes chat,code,math,copy] [--trials 3] [--tokens 128] \
+                                           [--out bench/results/confidence-cut-cpu.md]
+
+One process, the demo pair (the registered DSpark drafter, as `--mode dspark` loads it), every
+prompt of benchmark.PROMPT_SETS per class. Per prompt a warm-up run of each side, then `--trials`
+rounds in which three sides alternate: plain decoding, DSpark under the cost model with the cut
+switched off (`CostPolicy.cuts_by_confidence = False`: the per-slot live averages size every
+block), and DSpark with it (the default). Per prompt the median decode tok/s of each side; per
+class the geometric mean of the per-prompt ratios to plain decoding. Every run must decode the
+same tokens and text as plain decoding (checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+
+from mlx_dspark import benchmark as bm  # noqa: E402
+from mlx_dspark.api import drafter_for, encode_prompt, generate  # noqa: E402
+from mlx_dspark.blas import active_blas  # noqa: E402
+from mlx_dspark.decode import policy as pol  # noqa: E402
+
+SIDES = ("plain", "no cut", "cut")
+
+
+def one(target, tok, drafter, ids, side: str, n: int):
+    pol.CostPolicy.cuts_by_confidence = side == "cut"
+    try:
+        mode = "baseline" if side == "plain" else "dspark"
+        return generate(
+            target,
+            tok,
+            None,
+            prompt_ids=ids,
+            mode=mode,
+            drafter=drafter if mode == "dspark" else None,
+            max_new_tokens=n,
+            max_draft="auto",
+        )
+    finally:
+        pol.CostPolicy.cuts_by_confidence = True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="target (default: the demo model)")
+    ap.add_argument("--classes", default="chat,code,math,copy")
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    model, target, tok = bm.load_bench_target(args.model)
+    drafter = drafter_for(target, "dspark")
+    rows, lines = {}, []
+    for cls in args.classes.split(","):
+        for i, prompt in enumerate(bm.PROMPT_SETS[cls]):
+            ids = encode_prompt(tok, prompt)
+            tps = {s: [] for s in SIDES}
+            cut_slots = []
+            ref = None
+            for trial in range(args.trials + 1):  # trial 0: the warm-up
+                for side in SIDES:
+                    r = one(target, tok, drafter, ids, side, args.tokens)
+                    ref = ref or (r.tokens, r.text)
+                    if (r.tokens, r.text) != ref:
+                        raise SystemExit(f"{cls} {i}: {side} decoded other tokens or text than plain decoding")
+                    if trial:
+                        tps[side].append(r.decode_tps)
+                        if side == "cut":
+                            cut_slots.append(r.stats.get("cut_slots", 0))
+            med = {s: statistics.median(v) for s, v in tps.items()}
+            rows[(cls, i)] = med
+            plain, off, on = med["plain"], med["no cut"], med["cut"]
+            lines.append(
+                f"| {cls} {i + 1} | {prompt[:40]} | {plain:.1f} | {off / plain:.3f}x | {on / plain:.3f}x "
+                f"| {on / off:.3f}x | {statistics.median(cut_slots):.0f} |"
+            )
+            print(lines[-1], flush=True)
+    out = [
+        f"### The confidence cut: {model} (float32), {bm.device_stamp()}",
+        f"`bench/bench_confidence_cut.py --classes {args.classes} --trials {args.trials} --tokens {args.tokens}` "
+        f"at {time.strftime('%Y-%m-%d %H:%M')}; BLAS {active_blas()['name']}",
+        "",
+        f"{args.tokens} new tokens, greedy, median of {args.trials} alternating trials per prompt after a warm-up; "
+        "every run decoded plain decoding's tokens and text.",
+        "",
+        "| prompt | text | plain tok/s | no cut | cut | cut / no cut | slots cut |",
+        "|---|---|---|---|---|---|---|",
+        *lines,
+        "",
+    ]
+    for cls in args.classes.split(","):
+        got = [v for (c, _), v in rows.items() if c == cls]
+
+        def g(side, got=got):
+            return math.exp(sum(math.log(r[side] / r["plain"]) for r in got) / len(got))
+
+        off, on = g("no cut"), g("cut")
+        out.append(f"- {cls}: no cut **{off:.3f}x**, cut **{on:.3f}x** plain decoding ({on / off:.3f}x)")
+    out.append(f"- whole run {time.perf_counter() - t0:.0f} s")
+    bm.emit("\n".join(out), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
