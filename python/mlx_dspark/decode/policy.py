@@ -30,14 +30,13 @@ CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decod
   over calibrated cost, one for rounds and one for plain steps, scales the two sides.
   Per round: a drafter with a confidence head whose drafts are read on the host drafts its whole
   block, and `cut` keeps the prefix worth verifying: the first slot (the pass is paid for), and
-  slot j > 0 when some continuation from it,
-  each later slot accepted with slot j's confidence c_j, gains more expected tokens than its
-  extra verify width costs at the reference rate R (the better of plain decoding and the
-  source's live best): sum_{j<=i<k2} prod_{l<=i} c_l > R * (t_verify(k2 + 1) - t_verify(j + 1)).
-  The confidences are calibrated live (the tested slots' mean acceptance over their mean
-  confidence). Only confidences up to slot j decide slot j, so sampled drafts stay exact.
-  On the demo pair (CPU, bench/bench_confidence_cut.py) it adds 2-7% per content class over the
-  per-slot averages alone, much of it from drafting past their cap where the head is sure.
+  slot j > 0 when some continuation from it, each later slot accepted with slot j's confidence
+  c_j, gains more expected tokens than its extra verify width costs at plain decoding's rate R:
+  sum_{j<=i<k2} prod_{l<=i} c_l > R * (t_verify(k2 + 1) - t_verify(j + 1)). Only confidences up
+  to slot j decide slot j, so sampled drafts stay exact. Replayed on recorded rounds of the demo
+  pair (bench/replay_draft_policy.py, the CPU's curve) it commits 5-10% more per unit of modeled
+  time than the per-slot averages alone, over 20 eval prompts (a live calibration of the
+  confidences measured worse; a rate taken from the averages, no better).
 
 `plain_reason(costs)` says when speculation cannot pay on this machine at all, even with very high
 acceptance at the best width (for a drafter whose acceptance the registry records, a margin over
@@ -73,8 +72,7 @@ RESUME_MARGIN = 1.10  # a parked source resumes when a probe leaves it 10% ahead
 LIVE_ALPHA = 0.1  # live cost correction: the weight of one timed step
 LIVE_RANGE = (0.5, 2.0)  # bounds of a live correction (a step that hit a pause or a first-call cost)
 PROBE_MIN, PROBE_MAX = 16, 256
-CONF_MAX = 0.98  # a calibrated confidence is capped here: no slot is a sure thing
-CONF_SCALE_RANGE = (0.5, 1.25)  # bounds of the live calibration of a drafter's confidences
+CONF_MAX = 0.98  # a confidence is capped here: no slot is a sure thing
 BEST_CASE_P = 0.9  # plain_reason: acceptance no real drafter beats, per slot
 CEILING_MARGIN = 1.25  # plain_reason: a measured drafter may earn this much more than its best domain
 
@@ -199,25 +197,10 @@ class FixedPolicy(DraftPolicy):
 # ---------------------------------------------------------------------------- cost model
 @dataclass
 class _Slots:
-    """Per-slot conditional acceptance p_i of one draft source, and the live calibration of its
-    confidences (running means of what the tested slots' confidences predicted and of what the
-    target accepted)."""
+    """Per-slot conditional acceptance p_i of one draft source."""
 
     prior: float
     p: list[float] = field(default_factory=list)
-    conf_pred: float = 0.5
-    conf_hit: float = 0.5
-
-    @property
-    def conf_scale(self) -> float:
-        lo, hi = CONF_SCALE_RANGE
-        return min(max(self.conf_hit / self.conf_pred, lo), hi)
-
-    def calibrate(self, confidences: list[float], proposed: int, accepted: int) -> None:
-        """The slots a round tested (each one whose predecessors were all accepted)."""
-        for j in range(min(accepted + 1, proposed, len(confidences))):
-            self.conf_pred += ALPHA * (confidences[j] - self.conf_pred)
-            self.conf_hit += ALPHA * ((1.0 if j < accepted else 0.0) - self.conf_hit)
 
     def get(self, i: int) -> float:
         return self.p[i] if i < len(self.p) else (self.p[-1] if self.p else self.prior)
@@ -255,7 +238,6 @@ class CostPolicy(DraftPolicy):
         self.slots = {s: _Slots(p) for s, p in PRIOR.items()}
         self.parks = {s: _Park() for s in PRIOR}
         self.counts = {"probe_rounds": 0, "rounds": 0, "cut_slots": 0}
-        self._cut_conf: list[float] | None = None
         # Live corrections of the calibrated curve: the loop's measured step times over the
         # curve's (a few seconds of calibration on a shared machine misjudge both by ~10%, and a
         # real context is longer than the calibration's), for rounds and for plain steps.
@@ -330,9 +312,6 @@ class CostPolicy(DraftPolicy):
         self.counts["rounds"] += 1
         self._last_source = source
         self.slots[self._kind(source, depth)].update(proposed, accepted)
-        if self._cut_conf is not None and source == "drafter":
-            self.slots[source].calibrate(self._cut_conf, proposed, accepted)
-        self._cut_conf = None
         park = self.parks[source]
         if park.probing:
             park.probing = False
@@ -349,18 +328,17 @@ class CostPolicy(DraftPolicy):
         """The block's prefix worth verifying, slot by slot (module docstring, "per round").
         The first slot always stays: the round's drafter pass is spent, and a round cut to
         nothing would cost a synchronous plain step (and leave a probe round unanswered). Slot
-        j > 0 stays only if some continuation from it, with slot j's (calibrated) confidence for
-        it and every later slot, gains more tokens than its extra verify width costs at the
-        reference rate: the decision on slot j reads only confidences up to j, so a sampled
-        draft stays an exact sample."""
+        j > 0 stays only if some continuation from it, with slot j's confidence for it and every
+        later slot, gains more tokens than its extra verify width costs at plain decoding's
+        rate: the decision on slot j reads only confidences up to j, so a sampled draft stays
+        an exact sample."""
         if not confidences:
             return 0
-        scale = self.slots[source].conf_scale
         t = [self.costs.verify(w + 1) * self.round_scale for w in range(len(confidences) + 1)]
-        rate = max(self.plain_rate, self.best(source, len(confidences))[1])
-        survive, k = min(CONF_MAX, confidences[0] * scale), 1
+        rate = self.plain_rate
+        survive, k = min(CONF_MAX, confidences[0]), 1
         while k < len(confidences):
-            c = min(CONF_MAX, confidences[k] * scale)
+            c = min(CONF_MAX, confidences[k])
             run, gain, worth = survive, 0.0, False
             for k2 in range(k + 1, len(confidences) + 1):
                 run *= c
@@ -372,7 +350,6 @@ class CostPolicy(DraftPolicy):
                 break
             survive *= c
             k += 1
-        self._cut_conf = list(confidences[: k + 1])  # the slots this round tests (result() reads them)
         self.counts["cut_slots"] += len(confidences) - k
         return k
 
@@ -388,7 +365,6 @@ class CostPolicy(DraftPolicy):
             "policy": "cost",
             **self.counts,
             "p_drafter": [round(x, 2) for x in self.slots["drafter"].p[:8]],
-            "confidence_scale": round(self.slots["drafter"].conf_scale, 3),
             "live_round_scale": round(self.round_scale, 3),
             "live_plain_scale": round(self.plain_scale, 3),
         }
