@@ -1,0 +1,66 @@
+"""Where a fresh process's first generations lose time: every decode step, timed (issue 20).
+
+  python bench/diag_first_steps.py [--mode auto] [--runs 3] [--tokens 192] [--prompt TEXT]
+
+Loads the demo target as the CLI does (the calibration read from MLX_DSPARK_CACHE, measured if
+absent), then runs `--runs` generations of one prompt in this process, stepping each Generation
+and timing every step. Per run: decode seconds, the five slowest steps (their kind: prefill, plain,
+or a round of width w, with what it committed) and the policy's counters. A first run whose
+slowest steps are rounds that later runs take in a few ms is paying a per-process set-up there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+
+from mlx_dspark import benchmark as bm  # noqa: E402
+from mlx_dspark.api import encode_prompt, start  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--mode", default="auto")
+    ap.add_argument("--max-draft", default="auto")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=192)
+    ap.add_argument("--prompt", default=bm.PROMPT_SETS["code"][0])
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    model, target, tok = bm.load_bench_target(args.model)
+    print(f"load {time.perf_counter() - t0:.1f} s; {bm.device_stamp()}", flush=True)
+    ids = encode_prompt(tok, args.prompt)
+    max_draft = args.max_draft if args.max_draft == "auto" else int(args.max_draft)
+    for run in range(args.runs):
+        t = time.perf_counter()
+        gen = start(target, tok, None, prompt_ids=ids, mode=args.mode, max_new_tokens=args.tokens, max_draft=max_draft)
+        t_start = time.perf_counter() - t
+        g = gen.generation
+        steps = []
+        for commit in gen:
+            steps.append((time.perf_counter() - t, len(commit.tokens)))
+            t = time.perf_counter()
+        res = gen.result()
+        widths = res.accept_lengths
+        slow = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:5]
+        print(
+            f"run {run + 1}: start {t_start * 1e3:.0f} ms, {len(steps)} steps, prefill {res.prefill_s * 1e3:.0f} ms, "
+            f"decode {res.decode_s:.3f} s ({len(res.tokens) / max(res.decode_s, 1e-9):.1f} tok/s), mode {res.mode}",
+            flush=True,
+        )
+        print(
+            "  slowest steps (index: ms, tokens committed): "
+            + ", ".join(f"{i}: {steps[i][0] * 1e3:.1f}, {steps[i][1]}" for i in slow)
+        )
+        st = res.stats
+        keys = ("drafter_rounds", "drafter_proposed", "drafter_accepted", "lookup_rounds", "probe_rounds", "p_drafter")
+        print("  " + ", ".join(f"{k} {st.get(k)}" for k in keys) + f"; rounds {len(widths)}", flush=True)
+        del g
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
