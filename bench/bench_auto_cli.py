@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import math
 import os
 import shutil
 import statistics
@@ -67,10 +66,6 @@ def one_run(mode: str, prompt: str, n: int, env: dict) -> dict:
         "stats": d.get("stats", {}),
         "notice": [l for l in out.stderr.splitlines() if "speculation cannot pay" in l],
     }
-
-
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def compare(prompt: str, a, env: dict, tag: str) -> dict:
@@ -149,8 +144,8 @@ def main() -> int:
                 emit(f"| {label} | {row['line']}", a.out)
             if len(prompts) > 1:
                 emit(
-                    f"| **{cls}, geometric mean of {len(prompts)}** | | | **{geomean(ratios):.3f}x** | "
-                    f"{geomean(walls):.3f}x | | | |",
+                    f"| **{cls}, geometric mean of {len(prompts)}** | | | **{bm.geomean(ratios):.3f}x** | "
+                    f"{bm.geomean(walls):.3f}x | | | |",
                     a.out,
                 )
         emit("", a.out)

@@ -17,7 +17,6 @@ decoding. Every run must decode the same tokens and text as plain decoding (chec
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
@@ -111,7 +110,7 @@ def main() -> int:
         got = [v for (c, _), v in rows.items() if c == cls]
 
         def g(side, base="plain", got=got):
-            return math.exp(sum(math.log(r[side] / r[base]) for r in got) / len(got))
+            return bm.geomean([r[side] / r[base] for r in got])
 
         off, on = g("no cut"), g("cut")
         c_off, c_on = g("cpu no cut", "cpu plain"), g("cpu cut", "cpu plain")

@@ -120,7 +120,7 @@ def main() -> int:
             print(f"  {dom}: {text[:40]!r} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
 
     def ratio(side, rs):
-        return bm._geomean([r["tps"][side] / r["tps"]["baseline"] for r in rs])
+        return bm.geomean([r["tps"][side] / r["tps"]["baseline"] for r in rs])
 
     best = {k: max((f"{k}@{c}" for c in caps[k]), key=lambda s: ratio(s, rows)) for k in drafters}
     lines = [
@@ -139,11 +139,11 @@ def main() -> int:
     per_dom = {}
     for dom in sets:
         rs = [r for r in rows if r["domain"] == dom]
-        d = {"prompts": len(rs), "baseline_tps": bm._geomean([r["tps"]["baseline"] for r in rs])}
+        d = {"prompts": len(rs), "baseline_tps": bm.geomean([r["tps"]["baseline"] for r in rs])}
         for k, s in best.items():
             d[k] = {
                 "cap": int(s.split("@")[1]),
-                "tps": bm._geomean([r["tps"][s] for r in rs]),
+                "tps": bm.geomean([r["tps"][s] for r in rs]),
                 "accept": statistics.mean(r["accept"][s] for r in rs),
                 "x": ratio(s, rs),
             }

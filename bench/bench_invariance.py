@@ -170,14 +170,16 @@ def main() -> int:
 
 def summary(c: dict) -> list[str]:
     """The per-mode lines: N of N identical, the first divergence, speed against baseline."""
+    from mlx_dspark.benchmark import geomean
+
     out = []
     for m in c["same"]:
-        gm = _geomean(c["tps"][m]) / max(_geomean(c["tps"]["baseline"]), 1e-9)
+        gm = geomean(c["tps"][m]) / max(geomean(c["tps"]["baseline"]), 1e-9)
         line = f"{m:>16} {c['precision']:>4}: {c['same'][m]} of {c['n']} identical"
         line += f"; first divergence: {c['first'][m]}" if c["first"][m] else ""
         line += f"  (decode tok/s x{gm:.3f} baseline, geomean)"
         out.append(line)
-    out.append(f"{'baseline':>16} {c['precision']:>4}: {_geomean(c['tps']['baseline']):.1f} tok/s decode (geomean)")
+    out.append(f"{'baseline':>16} {c['precision']:>4}: {geomean(c['tps']['baseline']):.1f} tok/s decode (geomean)")
     return out + [""]
 
 
@@ -200,13 +202,6 @@ def merge(files: list[str], out: str | None) -> int:
         lines += summary(c)
     bm.emit("\n".join(lines), out)
     return 0 if all(v == c["n"] for c in by.values() for v in c["same"].values()) else 1
-
-
-def _geomean(xs: list[float]) -> float:
-    import math
-
-    xs = [x for x in xs if x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -117,9 +116,6 @@ def main() -> int:
         )
         print(lines[-1], flush=True)
 
-    def geo(xs):
-        return math.exp(sum(map(math.log, xs)) / len(xs))
-
     curve = ", ".join(f"w{w} {t * 1e3:.1f}" for w, t in zip(costs.widths, costs.t_verify))
     out = [
         f"### Draft-length rules replayed on recorded rounds: {model}, {bm.device_stamp()}",
@@ -136,7 +132,7 @@ def main() -> int:
         "",
     ]
     for cls, rows in by_class.items():
-        avg, cut, fixed = (geo([r[i] for r in rows]) for i in range(3))
+        avg, cut, fixed = (bm.geomean([r[i] for r in rows]) for i in range(3))
         out.append(
             f"- {cls} ({len(rows)} prompts): per-slot averages {avg:.3f}x, **cut {cut:.3f}x** ({cut / avg:.3f}x), "
             f"best fixed cap {fixed:.3f}x"

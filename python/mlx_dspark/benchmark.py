@@ -233,7 +233,8 @@ def stamp(target, drafter=None) -> dict:
     }
 
 
-def _geomean(xs: list[float]) -> float:
+def geomean(xs: list[float]) -> float:
+    """The geometric mean of the positive values (0.0 where there are none)."""
     import math
 
     xs = [x for x in xs if x > 0]
@@ -298,15 +299,15 @@ def run_sets(
             )
         c = {
             "prompts": rows,
-            "baseline_tps": round(_geomean([r["tps"]["baseline"] for r in rows]), 3),
-            "mode_tps": round(_geomean([r["tps"]["mode"] for r in rows]), 3),
+            "baseline_tps": round(geomean([r["tps"]["baseline"] for r in rows]), 3),
+            "mode_tps": round(geomean([r["tps"]["mode"] for r in rows]), 3),
             "mean_accept": round(statistics.mean(r["mean_accept"] for r in rows), 3),
             "same_tokens": all(r["same_tokens"] for r in rows),
         }
-        c["ratio"] = round(_geomean([r["tps"]["mode"] / r["tps"]["baseline"] for r in rows]), 3)
+        c["ratio"] = round(geomean([r["tps"]["mode"] / r["tps"]["baseline"] for r in rows]), 3)
         if versus_mlx_lm:
-            c["mlx_lm_tps"] = round(_geomean([r["tps"]["mlx_lm"] for r in rows]), 3)
-            c["ratio_vs_mlx_lm"] = round(_geomean([r["tps"]["mode"] / r["tps"]["mlx_lm"] for r in rows]), 3)
+            c["mlx_lm_tps"] = round(geomean([r["tps"]["mlx_lm"] for r in rows]), 3)
+            c["ratio_vs_mlx_lm"] = round(geomean([r["tps"]["mode"] / r["tps"]["mlx_lm"] for r in rows]), 3)
         classes[cls] = c
     return {"mode": resolved, "requested_mode": mode, "trials": trials, "max_new_tokens": n, "classes": classes}
 
