@@ -20,6 +20,7 @@ PROMPT = [5, 9, 23, 41, 7, 12]
 def pair(tkey, dkey, monkeypatch, compile_="on"):
     monkeypatch.setenv("MLX_DSPARK_INVARIANT", "kernels")
     monkeypatch.setenv("MLX_DSPARK_COMPILE", compile_)
+    monkeypatch.setattr(compiled_draft, "EAGER_PASSES", 0)  # the compiled pass from the first call
     ws = workspace()
     target, tok = md.load_target(str(ws[tkey]), dtype="float32")
     return target, tok, load_drafter(str(ws[dkey]), target, bits=16)
@@ -60,6 +61,28 @@ def test_generations_through_compiled_passes_equal_baseline(tkey, dkey, monkeypa
         monkeypatch.setenv("MLX_DSPARK_COMPILE", "off")
         eager = md.generate(target, tok, None, prompt_ids=PROMPT, mode="auto", drafter=d, max_new_tokens=60)
         assert eager.accept_lengths == spec.accept_lengths and d._compiled_draft.traces == 1
+
+
+def test_a_process_drafts_its_first_passes_op_by_op_then_compiles(monkeypatch):
+    """The probe rounds of a parked drafter never pay for a trace: a drafter's first EAGER_PASSES
+    solo passes in a process run op by op, the later ones compiled, and the output is plain
+    decoding's either way."""
+    target, tok, d = pair("target_perm", "perm_dspark_noisy", monkeypatch)
+    monkeypatch.setattr(compiled_draft, "EAGER_PASSES", 3)
+    base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=40)
+    traces = []
+    real = compiled_draft.CompiledDraft.rows
+    monkeypatch.setattr(
+        compiled_draft.CompiledDraft, "rows", lambda self, *a: traces.append(self.eager) or real(self, *a)
+    )
+    spec = md.generate(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=40)
+    assert spec.tokens == base.tokens and spec.text == base.text
+    assert spec.stats["drafter_rounds"] > 3 + 1
+    assert d._compiled_draft.eager == 3 and traces and set(traces) == {3}  # passes 4, 5, ...: compiled
+    assert d._compiled_draft.traces == 1
+    again = md.generate(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=40)
+    assert again.tokens == base.tokens  # the next generation's passes are all compiled
+    assert len(traces) == spec.stats["drafter_rounds"] - 3 + again.stats["drafter_rounds"]
 
 
 def test_sampled_drafts_and_auto_on_the_cpu_take_the_op_by_op_pass(monkeypatch):

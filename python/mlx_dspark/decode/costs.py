@@ -259,9 +259,13 @@ class _DraftTimer:
     """Times one drafter round: ingest one context row and draft a full block."""
 
     def __init__(self, drafter, target, ctx, prompt_hidden):
+        from ..models import compiled_draft
         from .drafting import DrafterProposer
 
         self.drafter = drafter
+        compiled = compiled_draft.for_drafter(drafter)
+        if compiled is not None:  # time the compiled pass a drafter that drafts runs (after its first few)
+            compiled.eager = compiled_draft.EAGER_PASSES
         self.prop = DrafterProposer(drafter, lookup_drafts=False)
         self.prop.begin(target, ctx, prompt_hidden)
         self.history = list(ctx) + [1]  # the anchor: the first token after the prompt

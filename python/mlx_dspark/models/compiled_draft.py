@@ -21,6 +21,11 @@ sampled drafts take the op-by-op path. Where it runs: where the target's decode 
 (compiled_decode.wanted()). One pass serves one generation or several (`rows`: the batch engine's
 rows share it): the projections over every row's block, each row's attention over its own buffer;
 a generation drafting alone is its one-row case.
+
+A process's first EAGER_PASSES solo passes of a drafter run op by op (`earned`): tracing the pass
+and compiling its kernels costs ~0.16 s on an H100 (bench/results/auto-h200.md), more than a
+generation whose drafter the cost model parks ever gains from it (its probe rounds are a pass
+every 16+ tokens). A drafter that keeps drafting reaches the compiled pass within a few rounds.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import warnings
 import mlx.core as mx
 
 from .compiled_decode import pad_to_blocks, wanted
+
+EAGER_PASSES = 4  # solo passes per process (per drafter) op by op before the pass is compiled
 
 
 class _BlockKV:
@@ -60,6 +67,15 @@ class CompiledDraft:
         self._row_fns: dict = {}  # with_conf -> mx.compile'd pass of one row or several (decode/batch.py)
         self.traces = 0
         self.failed: str | None = None  # why a pass could not run here: the drafter drafts op by op
+        self.eager = 0  # solo passes run op by op so far (`earned`)
+
+    def earned(self) -> bool:
+        """Has this drafter drafted enough in this process to pay for its compiled solo pass?
+        Each call that answers no counts one op-by-op pass."""
+        if self.eager >= EAGER_PASSES:
+            return True
+        self.eager += 1
+        return False
 
     def _pass(self, with_conf: bool):
         fn = self._row_fns.get(with_conf)

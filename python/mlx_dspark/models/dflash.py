@@ -105,11 +105,11 @@ class BlockDrafter:
     def greedy_block(self, anchor: int, rows: mx.array | None, state: list[ContextKV], with_conf: bool = False):
         """(tokens [block_drafts], confidences or None), lazy: one compiled greedy pass after
         ingesting `rows` (models/compiled_draft.py), or None where passes are not compiled here
-        (the caller runs block_hidden and sample)."""
+        or not yet in this process (the caller runs block_hidden and sample)."""
         from . import compiled_draft
 
         compiled = compiled_draft.for_drafter(self)
-        return None if compiled is None else compiled(anchor, rows, state, with_conf)
+        return None if compiled is None or not compiled.earned() else compiled(anchor, rows, state, with_conf)
 
     def greedy_block_rows(self, anchors: list, rows: list, states: list, with_conf: bool = False):
         """greedy_block for several generations in one compiled pass: a list of (tokens,
