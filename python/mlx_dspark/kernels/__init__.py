@@ -165,8 +165,12 @@ def kernel_paths() -> dict:
     ext = _native.ext(warn=False)
     cpu_native = mx.default_device() == mx.cpu and ext is not None
     attention = invariant.attention_path()
-    if attention == "reference" and mx.default_device() == mx.cpu and _native.kernels_mode() != "reference":
-        attention = "native-cpu (float32)" if cpu_native else "rows (MLX's attention, one call per row)"
+    if attention == "reference" and mx.default_device() == mx.cpu:
+        attention = {
+            "native": "native-cpu (float32)",
+            "rows": "rows (MLX's attention, one call per row)",
+            "reference": "reference",
+        }[invariant.cpu_route()]
     return {
         "backend": _backend(),
         "greedy_accept": shown("greedy_accept"),

@@ -100,15 +100,28 @@ def invariant_attention_reference(
 _MLX_SDPA = mx.fast.scaled_dot_product_attention  # MLX's own (compat wraps it after this import)
 
 
+def cpu_route(dtype=mx.float32) -> str:
+    """What the CPU's invariant attention runs for queries of `dtype`: native (the extension's op:
+    float32, the extension built), rows (MLX's attention one row at a time) or reference
+    (MLX_DSPARK_KERNELS=reference). `invariant_attention` routes by it; doctor reports it."""
+    if os.environ.get("MLX_DSPARK_KERNELS", "").strip().lower() == "reference":
+        return "reference"
+    if dtype == mx.float32:
+        from . import native
+
+        ext = native.ext(warn=False)
+        if getattr(ext, "invariant_attention", None) is not None:
+            return "native"
+    return "rows"
+
+
 def native_cpu(q: mx.array):
-    """The extension's CPU op for q's attention (the CPU, float32, the extension built, not
-    MLX_DSPARK_KERNELS=reference), else None."""
-    if q.dtype != mx.float32 or mx.default_device() != mx.cpu:
+    """The extension's CPU op for q's attention where `cpu_route` picks it (on the CPU), else None."""
+    if mx.default_device() != mx.cpu or cpu_route(q.dtype) != "native":
         return None
     from . import native
 
-    ext = native.ext(warn=False)
-    return None if ext is None else getattr(ext, "invariant_attention", None)
+    return native.ext(warn=False).invariant_attention
 
 
 def one_row(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
@@ -255,9 +268,11 @@ def invariant_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> 
     if path == "reference":
         if offset is not None:
             return invariant_attention_reference(q, k, v, scale, offset)
-        if mx.default_device() == mx.cpu and os.environ.get("MLX_DSPARK_KERNELS", "").strip().lower() != "reference":
-            fn = native_cpu(q)
-            return fn(q, k, v, scale=scale) if fn is not None else invariant_attention_rows(q, k, v, scale)
+        route = cpu_route(q.dtype) if mx.default_device() == mx.cpu else "reference"
+        if route == "native":
+            return native_cpu(q)(q, k, v, scale=scale)
+        if route == "rows":
+            return invariant_attention_rows(q, k, v, scale)
         return invariant_attention_reference(q, k, v, scale)
     return invariant_attention_gpu(q, k, v, scale, lang=path, offset=offset)
 
