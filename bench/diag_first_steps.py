@@ -55,6 +55,14 @@ def main() -> int:
             "  slowest steps (index: ms, tokens committed): "
             + ", ".join(f"{i}: {steps[i][0] * 1e3:.1f}, {steps[i][1]}" for i in slow)
         )
+        decode = sorted(ms for ms, _ in steps[1:])
+        if decode:
+            med = decode[len(decode) // 2]
+            slow_steps = [ms for ms in decode if ms > 3 * med]
+            print(
+                f"  median step {med * 1e3:.1f} ms; {len(slow_steps)} steps over 3x it, "
+                f"{sum(ms - med for ms in slow_steps) * 1e3:.0f} ms above the median in all"
+            )
         st = res.stats
         keys = ("drafter_rounds", "drafter_proposed", "drafter_accepted", "lookup_rounds", "probe_rounds", "p_drafter")
         print("  " + ", ".join(f"{k} {st.get(k)}" for k in keys) + f"; rounds {len(widths)}", flush=True)

@@ -26,7 +26,7 @@
 #                                                       # (bench_auto_cli.py --blas asis; $OUT/cold.md)
 #   bash bench/h200_invariance.sh first-steps           # every step of a fresh process's first generations timed: a
 #                                                       # process that calibrates, then fresh ones on a code and a chat
-#                                                       # prompt (diag_first_steps.py; $OUT/first-steps.txt)
+#                                                       # prompt (diag_first_steps.py, FS_MODE (auto); $OUT/first-steps.txt)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
 #   bash bench/h200_invariance.sh lone                  # the lone request, each engine in its own process (bench_lone.py)
@@ -188,10 +188,11 @@ for step in "$@"; do
   cold)  # issue 20's never-slower bar as a CLI user gets it: a fresh `mlx-dspark generate` process per run
     timeout "${COLD_LIMIT:-500}" python3 bench/bench_auto_cli.py --blas asis --classes "${COLD_CLASSES:-chat,code,math,copy}" \
       --reps "${COLD_REPS:-3}" --max-new-tokens "${COLD_TOKENS:-$TOKENS}" --out "$OUT/cold.md" 2>&1 | tail -30; el ;;
-  first-steps)
-    { echo "== a process that calibrates (if the cache is empty)"; python3 bench/diag_first_steps.py --runs 2
-      echo "== fresh, code"; python3 bench/diag_first_steps.py --runs 2
-      echo "== fresh, chat"; python3 bench/diag_first_steps.py --runs 2 --prompt "Explain in a few sentences why the sky is blue."
+  first-steps)  # FS_MODE: the mode (auto)
+    M="--mode ${FS_MODE:-auto}"
+    { echo "== $M: a process that calibrates (if the cache is empty)"; python3 bench/diag_first_steps.py $M --runs 2
+      echo "== $M: fresh, code"; python3 bench/diag_first_steps.py $M --runs 2
+      echo "== $M: fresh, chat"; python3 bench/diag_first_steps.py $M --runs 2 --prompt "Explain in a few sentences why the sky is blue."
     } 2>&1 | grep -v -e Warn -e clean_up_tokenization | tee "$OUT/first-steps.txt"; el ;;
   replay)
     python3 bench/bench_hybrid_replay.py --out "$OUT/hybrid-replay.md" 2>&1 | tail -30; el ;;

@@ -297,7 +297,7 @@ def test_a_distilled_dflash_drafter_registers_with_its_figures_and_command(train
     assert registry.pairs_for(target, "dflash") == []  # not registered until named
     monkeypatch.setenv(registry.ENV, str(tmp_path))  # a folder of drafter folders
     assert registry.pairs_for(target, "dflash") == [pair] and registry.pairs_for(target, "dspark") == []
-    assert registry.measured_acceptance(str(drafter)) == round(acc, 3)  # what --mode auto weighs it by
+    assert registry.typical_acceptance(str(drafter)) == round(acc, 3)  # what --mode auto weighs it by
 
     env = {registry.ENV: str(drafter)}
     listing = subprocess.run(

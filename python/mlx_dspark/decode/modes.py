@@ -79,7 +79,8 @@ def auto_verdict(c, drafter, lookup_drafts: bool = True, lookup_long_draft: int 
     """What `--mode auto` runs on the cost curve `c`: (the drafter's kind, "lookup" or
     "baseline"; what it says once, or None). A drafter drafts at most its block; lookup drafts are
     free, so where the drafter cannot pay (policy.plain_reason, weighed by what the registry
-    records it earns) lookup alone may, if the drafter's proposer drafts lookup too."""
+    records it earns on its typical domain) lookup alone may, if the drafter's proposer drafts
+    lookup too."""
     from .policy import plain_reason
 
     if drafter is None:
@@ -95,9 +96,10 @@ def auto_verdict(c, drafter, lookup_drafts: bool = True, lookup_long_draft: int 
 
 
 def _measured_tau(drafter) -> float | None:
-    """What the registry records this drafter earns per round at best (None: not measured)."""
+    """What the registry records this drafter earns per round on its typical domain (None: not
+    measured)."""
     if drafter is None:
         return None
-    from ..models.registry import measured_acceptance
+    from ..models.registry import typical_acceptance
 
-    return measured_acceptance(str(getattr(drafter, "source", "") or ""))
+    return typical_acceptance(str(getattr(drafter, "source", "") or ""))

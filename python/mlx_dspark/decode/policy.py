@@ -74,7 +74,7 @@ LIVE_RANGE = (0.5, 2.0)  # bounds of a live correction (a step that hit a pause 
 PROBE_MIN, PROBE_MAX = 16, 256
 CONF_MAX = 0.98  # a confidence is capped here: no slot is a sure thing
 BEST_CASE_P = 0.9  # plain_reason: acceptance no real drafter beats, per slot
-CEILING_MARGIN = 1.25  # plain_reason: a measured drafter may earn this much more than its best domain
+CEILING_MARGIN = 1.25  # plain_reason: a measured drafter may earn this much more than its typical domain
 
 
 class DraftPolicy:
@@ -388,9 +388,12 @@ def slot_acceptance(tau: float, k: int) -> float:
 def plain_reason(costs: Costs, cap: int, drafter: bool, measured_tau: float | None = None) -> str | None:
     """Why no round can beat plain decoding here even with very high acceptance at the best
     width, or None when speculation can pay. Very high: BEST_CASE_P per slot, or, for a drafter
-    whose acceptance was measured (`measured_tau`: its best domain's mean tokens per round at its
-    full block of `cap` drafts), CEILING_MARGIN x that, if lower: a verdict on a marginal cost
-    curve then no longer rests on acceptance the drafter never reaches."""
+    whose acceptance was measured (`measured_tau`: its typical, i.e. median, domain's mean tokens
+    per round at its full block of `cap` drafts), CEILING_MARGIN x that, if lower. A verdict on a
+    marginal cost curve then rests on what the drafter earns on content of unknown kind, not on
+    its best domain: a drafter that pays only there loses on the rest, and in a fresh process
+    its load, ingest and first passes are paid before any round earns (auto-h200.md, 21st
+    session), while lookup, which auto runs instead, takes the repetitive text for free."""
     p = BEST_CASE_P
     if drafter and measured_tau:
         p = min(p, slot_acceptance(CEILING_MARGIN * measured_tau, max(1, cap)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -364,9 +365,10 @@ def pairs_for(target, kind: str | None = None) -> list[Pair]:
     ]
 
 
-def measured_acceptance(drafter_source: str) -> float | None:
-    """The best mean accepted length per round (greedy, full block, any domain) measured for the
-    registered pair whose drafter is `drafter_source` (a folder or repo id); None if unmeasured."""
+def typical_acceptance(drafter_source: str) -> float | None:
+    """The median over measured domains of the mean accepted length per round (greedy, full
+    block) of the registered pair whose drafter is `drafter_source` (a folder or repo id): what it
+    earns on content of unknown kind. None if unmeasured."""
 
     def same(a: str, b: str) -> bool:
         if a == b:
@@ -379,7 +381,7 @@ def measured_acceptance(drafter_source: str) -> float | None:
     got = [
         v for p in all_pairs() if p.accept and p.drafter and same(p.drafter, str(drafter_source)) for _, v in p.accept
     ]
-    return max(got) if got else None
+    return statistics.median(got) if got else None
 
 
 def pairs_for_name(name: str, kind: str | None = None) -> list[Pair]:
