@@ -1,17 +1,20 @@
 """Where a fresh process's first generations lose time: every decode step, timed (issue 20).
 
-  python bench/diag_first_steps.py [--mode auto] [--runs 3] [--tokens 192] [--prompt TEXT]
+  python bench/diag_first_steps.py [--mode auto[,baseline,...]] [--runs 3] [--tokens 192] [--prompt TEXT]
 
 Loads the demo target as the CLI does (the calibration read from MLX_DSPARK_CACHE, measured if
 absent), then runs `--runs` generations of one prompt in this process, stepping each Generation
 and timing every step. Per run: decode seconds, the five slowest steps (their kind: prefill, plain,
 or a round of width w, with what it committed) and the policy's counters. A first run whose
 slowest steps are rounds that later runs take in a few ms is paying a per-process set-up there.
+Several modes (comma-separated) take turns run by run; the last line gives each mode's median
+decode tok/s over its runs after the first, and their ratio to the first mode's.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import _package  # noqa: F401  (the installed mlx_dspark, else python/)
@@ -34,9 +37,12 @@ def main() -> int:
     print(f"load {time.perf_counter() - t0:.1f} s; {bm.device_stamp()}", flush=True)
     ids = encode_prompt(tok, args.prompt)
     max_draft = args.max_draft if args.max_draft == "auto" else int(args.max_draft)
-    for run in range(args.runs):
+    modes = args.mode.split(",")
+    tps: dict[str, list[float]] = {m: [] for m in modes}
+    for run in range(args.runs * len(modes)):
+        mode = modes[run % len(modes)]
         t = time.perf_counter()
-        gen = start(target, tok, None, prompt_ids=ids, mode=args.mode, max_new_tokens=args.tokens, max_draft=max_draft)
+        gen = start(target, tok, None, prompt_ids=ids, mode=mode, max_new_tokens=args.tokens, max_draft=max_draft)
         t_start = time.perf_counter() - t
         g = gen.generation
         steps = []
@@ -47,7 +53,7 @@ def main() -> int:
         widths = res.accept_lengths
         slow = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:5]
         print(
-            f"run {run + 1}: start {t_start * 1e3:.0f} ms, {len(steps)} steps, prefill {res.prefill_s * 1e3:.0f} ms, "
+            f"run {run // len(modes) + 1}: start {t_start * 1e3:.0f} ms, {len(steps)} steps, prefill {res.prefill_s * 1e3:.0f} ms, "
             f"decode {res.decode_s:.3f} s ({len(res.tokens) / max(res.decode_s, 1e-9):.1f} tok/s), mode {res.mode}",
             flush=True,
         )
@@ -66,7 +72,14 @@ def main() -> int:
         st = res.stats
         keys = ("drafter_rounds", "drafter_proposed", "drafter_accepted", "lookup_rounds", "probe_rounds", "p_drafter")
         print("  " + ", ".join(f"{k} {st.get(k)}" for k in keys) + f"; rounds {len(widths)}", flush=True)
+        tps[mode].append(len(res.tokens) / max(res.decode_s, 1e-9))
         del g
+    if len(modes) > 1 and args.runs > 1:
+        med = {m: statistics.median(v[1:]) for m, v in tps.items()}
+        print(
+            "warm medians (runs 2..): "
+            + ", ".join(f"{m} {med[m]:.1f} tok/s ({med[m] / med[modes[0]]:.3f}x)" for m in modes)
+        )
     return 0
 
 
