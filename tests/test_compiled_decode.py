@@ -14,6 +14,7 @@ import mlx.core as mx
 import pytest
 
 import mlx_dspark as md
+from mlx_dspark.api import start
 from mlx_dspark.models import compiled_decode, invariance
 
 SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
@@ -339,3 +340,38 @@ def test_batched_rows_run_one_compiled_graph_and_equal_solo_runs(mode, monkeypat
         got = runs[i].result()
         assert (got.tokens, got.text, got.finish_reason) == (s.tokens, s.text, s.finish_reason)
         assert got.accept_lengths == s.accept_lengths
+
+
+def test_the_first_generation_of_a_process_pays_its_round_widths_before_the_decode(path, monkeypatch):
+    """decode/warmup.py: where the forward is compiled, a process's first speculative generation
+    first traces every bucket width up to its cap (once per process and taps: reported as
+    warm_up_s), so its decode and every later one trace no width again; the scratch rounds leave
+    no trace in the answer (ids and text equal baseline, and equal a run whose warm-up had already
+    happened) nor in the random state."""
+    from mlx_dspark.decode import warmup
+
+    target, tok = load(path, "float32", "on", monkeypatch)
+    compiled = target.compiled_decode
+    monkeypatch.setattr(warmup, "_warm", set())
+    prompt = "repeat: the fox the fox the fox def add(a, b) return a + b the fox the fox"
+    base = md.generate(target, tok, prompt, mode="baseline", max_new_tokens=40)
+    assert "warm_up_s" not in base.stats  # plain decoding has no rounds to warm
+    state = [mx.array(s) for s in mx.random.state]
+    before = compiled.traces
+    run = start(target, tok, prompt, mode="lookup", max_new_tokens=40, max_draft=16)
+    warmed = compiled.traces
+    assert warmed > before  # widths the load's self-check had not traced (2, 3, 6, 12, ...)
+    first = run.run()
+    assert compiled.traces == warmed  # the decode traced no width
+    assert first.stats["warm_up_s"] > 0 and len(set(first.accept_lengths)) > 2  # rounds of several widths
+    assert all(mx.array_equal(a, b).item() for a, b in zip(state, mx.random.state))
+    assert warmup.round_widths(target, 16) == [2, 3, 4, 6, 8, 12, 17]
+    again = md.generate(target, tok, prompt, mode="lookup", max_new_tokens=40, max_draft=16)
+    assert "warm_up_s" not in again.stats and compiled.traces == warmed
+    for r in (first, again):
+        assert r.tokens == base.tokens and r.text == base.text
+    wider = md.generate(target, tok, prompt, mode="lookup", max_new_tokens=40, max_draft=32)
+    assert wider.stats["warm_up_s"] > 0  # a larger cap: widths 24 and 33 are new
+    monkeypatch.setenv("MLX_DSPARK_COMPILE", "off")
+    plain_target, _ = md.load_target(path, dtype="float32")
+    assert plain_target.compiled_decode is None and warmup.round_widths(plain_target, 16) == []

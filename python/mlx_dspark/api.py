@@ -272,6 +272,9 @@ def start(
     if max_draft < 0:
         raise UserError(f"{option('max-draft')} must be >= 0, got {max_draft}")
     stream = TextStream(tokenizer, stop, on_text, keep_leading_space=keep_leading_space)
+    from .decode.warmup import warm_rounds
+
+    warm_s = warm_rounds(target, proposer, ids, int(max_draft))  # once per process: decode/warmup.py
     report: dict = {}
     hit = prefix_cache.lookup(ids, tuple(proposer.taps), report=report) if prefix_cache is not None else None
     g = loop.Generation(
@@ -290,6 +293,7 @@ def start(
         on_prefill=on_prefill,
         checkpoint_prompt=getattr(prefix_cache, "mode", None) == "checkpoint",
     )
+    g.res.warm_up_s = warm_s
     tg = TextGeneration(g, stream, target, resolved_mode, cancel, prefix_cache, hit.reused if hit else 0)
     tg.prefix_report = report if prefix_cache is not None else None
     return tg
@@ -299,6 +303,8 @@ def _result(g: loop.Generation, target: Target, stream: TextStream, mode: str) -
     res = g.res
     text = stream.finish()
     stats = dict(res.proposer_stats)
+    if res.warm_up_s:
+        stats["warm_up_s"] = round(res.warm_up_s, 3)  # decode/warmup.py: before the prefill, in neither timing
     if res.speculation_off:
         stats.update(speculation_off=res.speculation_off, speculation_off_at_token=res.speculation_off_at)
         if not any(res.drafted):

@@ -43,6 +43,7 @@ class LoopResult:
     finish_reason: str = "length"  # "stop" (EOS or stop string), "length", "cancelled"
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    warm_up_s: float = 0.0  # the process's first rounds, run before the prefill (decode/warmup.py)
     prompt_tokens: int = 0
     logprobs: list[dict] | None = None
     proposer_stats: dict = field(default_factory=dict)
