@@ -53,7 +53,8 @@ def main() -> int:
         widths = res.accept_lengths
         slow = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:5]
         print(
-            f"run {run // len(modes) + 1}: start {t_start * 1e3:.0f} ms, {len(steps)} steps, prefill {res.prefill_s * 1e3:.0f} ms, "
+            f"run {run // len(modes) + 1}: start {t_start * 1e3:.0f} ms, {len(steps)} steps, "
+            f"prefill {res.prefill_s * 1e3:.0f} ms, "
             f"decode {res.decode_s:.3f} s ({len(res.tokens) / max(res.decode_s, 1e-9):.1f} tok/s), mode {res.mode}",
             flush=True,
         )
