@@ -64,11 +64,14 @@ def test_generations_through_compiled_passes_equal_baseline(tkey, dkey, monkeypa
 
 
 def test_a_process_drafts_its_first_passes_op_by_op_then_compiles(monkeypatch):
-    """The probe rounds of a parked drafter never pay for a trace: a drafter's first EAGER_PASSES
-    solo passes in a process run op by op, the later ones compiled, and the output is plain
-    decoding's either way."""
+    """A drafter's first EAGER_PASSES solo passes in a process run op by op, the later ones
+    compiled: a generation's warm-up (decode/warmup.py) runs them all, and the trace, before its
+    prefill, so every pass of its decode is compiled; the output is plain decoding's."""
+    from mlx_dspark.decode import warmup
+
     target, tok, d = pair("target_perm", "perm_dspark_noisy", monkeypatch)
     monkeypatch.setattr(compiled_draft, "EAGER_PASSES", 3)
+    monkeypatch.setattr(warmup, "_warm", set())
     base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=40)
     traces = []
     real = compiled_draft.CompiledDraft.rows
@@ -80,9 +83,10 @@ def test_a_process_drafts_its_first_passes_op_by_op_then_compiles(monkeypatch):
     assert spec.stats["drafter_rounds"] > 3 + 1
     assert d._compiled_draft.eager == 3 and traces and set(traces) == {3}  # passes 4, 5, ...: compiled
     assert d._compiled_draft.traces == 1
+    assert len(traces) == 1 + spec.stats["drafter_rounds"]  # the warm-up's compiled pass, then every pass
     again = md.generate(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=40)
     assert again.tokens == base.tokens  # the next generation's passes are all compiled
-    assert len(traces) == spec.stats["drafter_rounds"] - 3 + again.stats["drafter_rounds"]
+    assert len(traces) == 1 + spec.stats["drafter_rounds"] + again.stats["drafter_rounds"]
 
 
 def test_sampled_drafts_and_auto_on_the_cpu_take_the_op_by_op_pass(monkeypatch):
@@ -177,3 +181,27 @@ def test_compiled_drafts_stay_on_the_device_until_the_accept_point(dkey, monkeyp
     assert seen_on["device"] > 0 and seen_on["host"] == 0 and seen_on["evals in propose"] == 0
     assert seen_off["device"] == 0 and seen_off["host"] == seen_on["device"]
     assert seen_off["evals in propose"] >= seen_off["host"]
+
+
+def test_the_warm_up_traces_the_drafter_pass_before_the_decode(monkeypatch):
+    """decode/warmup.py: a process's first generation with a drafter whose pass compiles runs its
+    op-by-op passes (EAGER_PASSES) and the pass's trace in a scratch generation at start; the
+    decode then traces nothing, neither the drafter's pass nor a verify width, and equals
+    baseline in ids and text."""
+    from mlx_dspark.api import start
+    from mlx_dspark.decode import warmup
+
+    target, tok, d = pair("target_perm", "perm_dspark", monkeypatch)
+    monkeypatch.setattr(compiled_draft, "EAGER_PASSES", 2)
+    monkeypatch.setattr(warmup, "_warm", set())
+    base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=60)
+    run = start(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=60)
+    compiled = d._compiled_draft
+    assert compiled.traces == 1 and compiled.eager == 2  # two op-by-op passes, then the traced one
+    widths = target.compiled_decode.traces
+    res = run.run()
+    assert compiled.traces == 1 and target.compiled_decode.traces == widths
+    assert res.stats["warm_up_s"] > 0 and res.stats["drafter_rounds"] > 1
+    assert res.tokens == base.tokens and res.text == base.text
+    again = md.generate(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=60)
+    assert "warm_up_s" not in again.stats and again.tokens == base.tokens

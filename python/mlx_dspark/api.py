@@ -274,7 +274,7 @@ def start(
     stream = TextStream(tokenizer, stop, on_text, keep_leading_space=keep_leading_space)
     from .decode.warmup import warm_rounds
 
-    warm_s = warm_rounds(target, proposer, ids, int(max_draft))  # once per process: decode/warmup.py
+    warm_s = warm_rounds(target, proposer, ids, int(max_draft), sampling)  # once per process: decode/warmup.py
     report: dict = {}
     hit = prefix_cache.lookup(ids, tuple(proposer.taps), report=report) if prefix_cache is not None else None
     g = loop.Generation(

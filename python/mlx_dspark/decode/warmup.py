@@ -9,10 +9,12 @@ each later new width 15-20 ms, against ~4 ms for the same round again: 10-30% of
 
 `warm_rounds` runs, once per process for each set of taps, a scratch generation whose scripted
 proposer verifies one round at every bucket width the loop may use (up to its cap), greedy, over
-the first tokens of the prompt. That runs the loop's own code (plan, forward, accept, trim), so
-whatever a first round pays is paid there, before the decode starts; the answer's generation then
-starts on a fresh cache and proposer, so nothing of the scratch one reaches it. Greedy, so no
-random state moves. Only where the forward is compiled: elsewhere a new width costs no trace.
+the first tokens of the prompt; for a drafter whose pass is compiled, another that drafts until
+that pass is traced (a fresh process's first compiled pass cost ~160 ms on an H100). Both run
+the loop's own code (plan, draft, forward, accept, trim), so whatever a first round pays is paid
+there, before the decode starts; the answer's generation then starts on a fresh cache and
+proposer, so nothing of the scratch ones reaches it. Greedy, so no random state moves. Only where
+the forward is compiled: elsewhere a new width costs no trace.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import mlx.core as mx
 from .proposers import Draft, Proposer
 
 PROMPT_TOKENS = 8  # the scratch prompt: this many of the real prompt's tokens
-_warm: set[tuple] = set()  # (target id, taps, widths) warmed in this process
+_warm: set[tuple] = set()  # what this process warmed: (target id, taps, widths), (drafter id, "pass")
 
 
 class _Script(Proposer):
@@ -59,32 +61,68 @@ def round_widths(target, max_draft: int) -> list[int]:
     return [b for b in buckets() if 2 <= b < top] + [top]
 
 
-def warm_rounds(target, proposer: Proposer, prompt: Sequence[int], max_draft: int) -> float:
-    """Run the scratch rounds for `proposer`'s taps if this process has not yet; the seconds it
-    took (0.0 when there was nothing to do)."""
-    from .loop import Generation, _drafts
+def warm_rounds(target, proposer: Proposer, prompt: Sequence[int], max_draft: int, sampling=None) -> float:
+    """Run the scratch rounds for `proposer` (drafting under `sampling`) this process has not run
+    yet; the seconds they took (0.0 when there was nothing to do)."""
+    from .loop import _drafts
 
     if not _drafts(proposer) or not prompt:
         return 0.0
+    t = time.perf_counter()
+    ran = _warm_widths(target, proposer, prompt, max_draft)
+    ran = _warm_drafter(target, proposer, prompt, sampling) or ran
+    if not ran:
+        return 0.0
+    mx.synchronize()
+    return time.perf_counter() - t
+
+
+def _warm_widths(target, proposer: Proposer, prompt: Sequence[int], max_draft: int) -> bool:
+    from .loop import Generation
+
     widths = round_widths(target, max_draft)
     key = (id(target), tuple(proposer.taps), tuple(widths))
     if not widths or key in _warm:
-        return 0.0
+        return False
     _warm.add(key)
-    t = time.perf_counter()
     script = _Script([w - 1 for w in widths], proposer.taps)
     g = Generation(
-        target,
-        list(prompt[:PROMPT_TOKENS]),
-        script,
-        max_new_tokens=sum(widths) + 2,
-        max_draft=max(widths) - 1,
+        target, list(prompt[:PROMPT_TOKENS]), script, max_new_tokens=sum(widths) + 2, max_draft=max(widths) - 1
     )
     g.step()  # the prefill
     while script.sizes and g.speculate and not g.done:
         g.step()
-    mx.synchronize()
-    return time.perf_counter() - t
+    return True
+
+
+def _warm_drafter(target, proposer: Proposer, prompt: Sequence[int], sampling) -> bool:
+    """A block drafter whose greedy pass is compiled (models/compiled_draft.py), drafting greedy
+    (sampled drafts never take that pass: nothing to trace for them): a scratch generation of its
+    own (a fresh proposer of the same drafter, the full block every round, no lookup) drafts
+    until the drafter's pass has been traced, its op-by-op passes and ingest run first
+    (EAGER_PASSES): a fresh process's first compiled pass cost ~160 ms on an H100, inside the
+    decode."""
+    from ..models import compiled_draft
+    from .drafting import _lazy_argmax
+    from .loop import Generation
+
+    drafter = getattr(proposer, "drafter", None)
+    if drafter is None or not _lazy_argmax(sampling):
+        return False
+    compiled = compiled_draft.for_drafter(drafter)
+    if compiled is None or compiled.traces or (id(drafter), "pass") in _warm:
+        return False
+    _warm.add((id(drafter), "pass"))
+    scratch = type(proposer)(drafter, lookup_drafts=False)
+    rounds = compiled_draft.EAGER_PASSES + 1
+    block = proposer.block_drafts
+    g = Generation(
+        target, list(prompt[:PROMPT_TOKENS]), scratch, max_new_tokens=(rounds + 1) * (block + 1) + 2, max_draft=block
+    )
+    g.step()
+    while scratch.counters["drafter_rounds"] < rounds and g.speculate and not g.done:
+        g.step()
+    return True
 
 
 __all__ = ["round_widths", "warm_rounds"]

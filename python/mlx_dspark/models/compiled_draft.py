@@ -22,11 +22,11 @@ sampled drafts take the op-by-op path. Where it runs: where the target's decode 
 rows share it): the projections over every row's block, each row's attention over its own buffer;
 a generation drafting alone is its one-row case.
 
-A process's first EAGER_PASSES solo passes of a drafter run op by op (`earned`): a fresh
-process's first compiled pass cost ~0.16 s on an H100, inside the decode (bench/results/
-auto-h200.md), more than a generation whose drafter the cost model parks gains from it (its probe
-rounds are a pass every 16+ tokens). A drafter that keeps drafting reaches the compiled pass
-within a few rounds. (The op-by-op pass's own first-use cost there is not measured yet.)
+A process's first EAGER_PASSES solo passes of a drafter run op by op (`earned`), then the pass
+is traced: a fresh process's first compiled pass cost ~0.16 s on an H100, inside the decode
+(bench/results/auto-h200.md). A generation that drafts greedy pays both before its prefill, in
+its process's warm-up (decode/warmup.py), so its decode runs the compiled pass from its first
+round. (Not yet measured on the GPU.)
 """
 
 from __future__ import annotations
