@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import weakref
 
 import mlx.core as mx
 import pytest
@@ -352,7 +353,7 @@ def test_the_first_generation_of_a_process_pays_its_round_widths_before_the_deco
 
     target, tok = load(path, "float32", "on", monkeypatch)
     compiled = target.compiled_decode
-    monkeypatch.setattr(warmup, "_warm", set())
+    monkeypatch.setattr(warmup, "_warm", weakref.WeakKeyDictionary())
     prompt = "repeat: the fox the fox the fox def add(a, b) return a + b the fox the fox"
     base = md.generate(target, tok, prompt, mode="baseline", max_new_tokens=40)
     assert "warm_up_s" not in base.stats  # plain decoding has no rounds to warm

@@ -6,6 +6,8 @@ MLX_DSPARK_COMPILE=on makes the CPU compile (auto compiles on a GPU only)."""
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import pytest
 from drafter_fixtures import workspace
@@ -71,7 +73,7 @@ def test_a_process_drafts_its_first_passes_op_by_op_then_compiles(monkeypatch):
 
     target, tok, d = pair("target_perm", "perm_dspark_noisy", monkeypatch)
     monkeypatch.setattr(compiled_draft, "EAGER_PASSES", 3)
-    monkeypatch.setattr(warmup, "_warm", set())
+    monkeypatch.setattr(warmup, "_warm", weakref.WeakKeyDictionary())
     base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=40)
     traces = []
     real = compiled_draft.CompiledDraft.rows
@@ -193,7 +195,7 @@ def test_the_warm_up_traces_the_drafter_pass_before_the_decode(monkeypatch):
 
     target, tok, d = pair("target_perm", "perm_dspark", monkeypatch)
     monkeypatch.setattr(compiled_draft, "EAGER_PASSES", 2)
-    monkeypatch.setattr(warmup, "_warm", set())
+    monkeypatch.setattr(warmup, "_warm", weakref.WeakKeyDictionary())
     base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=60)
     run = start(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=60)
     compiled = d._compiled_draft

@@ -20,6 +20,7 @@ the forward is compiled: elsewhere a new width costs no trace.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Sequence
 
 import mlx.core as mx
@@ -27,7 +28,17 @@ import mlx.core as mx
 from .proposers import Draft, Proposer
 
 PROMPT_TOKENS = 8  # the scratch prompt: this many of the real prompt's tokens
-_warm: set[tuple] = set()  # what this process warmed: (target id, taps, widths), (drafter id, "pass")
+# What this process warmed, per target and drafter object: (taps, widths) and "pass"
+_warm: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _first(obj, key) -> bool:
+    """Is `key` new for `obj` (then marked done)?"""
+    done = _warm.setdefault(obj, set())
+    if key in done:
+        return False
+    done.add(key)
+    return True
 
 
 class _Script(Proposer):
@@ -81,10 +92,8 @@ def _warm_widths(target, proposer: Proposer, prompt: Sequence[int], max_draft: i
     from .loop import Generation
 
     widths = round_widths(target, max_draft)
-    key = (id(target), tuple(proposer.taps), tuple(widths))
-    if not widths or key in _warm:
+    if not widths or not _first(target, (tuple(proposer.taps), tuple(widths))):
         return False
-    _warm.add(key)
     script = _Script([w - 1 for w in widths], proposer.taps)
     g = Generation(
         target, list(prompt[:PROMPT_TOKENS]), script, max_new_tokens=sum(widths) + 2, max_draft=max(widths) - 1
@@ -110,9 +119,8 @@ def _warm_drafter(target, proposer: Proposer, prompt: Sequence[int], sampling) -
     if drafter is None or not _lazy_argmax(sampling):
         return False
     compiled = compiled_draft.for_drafter(drafter)
-    if compiled is None or compiled.traces or (id(drafter), "pass") in _warm:
+    if compiled is None or compiled.traces or not _first(drafter, "pass"):
         return False
-    _warm.add((id(drafter), "pass"))
     scratch = type(proposer)(drafter, lookup_drafts=False)
     rounds = compiled_draft.EAGER_PASSES + 1
     block = proposer.block_drafts
