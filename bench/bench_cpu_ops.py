@@ -2,12 +2,15 @@
 
     python bench/bench_cpu_ops.py [--out bench/results/cpu-ops.md]
 
-csrc/draft_ops.cpp (a drafter pass: attention, SiLU-and-multiply, the Markov chain) and
+csrc/draft_ops.cpp (a drafter pass: attention, SiLU-and-multiply, the Markov chain),
+csrc/draft_linear.cpp (a drafter pass's products from float16 panels) and
 csrc/invariant_attention.cpp (every decode forward's attention) on the demo pair's shapes: the
 drafter's 9 / 3 heads of 64, block 7, hidden 1024, draft vocabulary 16185, Markov rank 48; the
 target's 9 / 3 heads of 64. Each line: the median of `--reps` synchronised calls (one op, then
 mx.eval), the reference's first. The invariant attention is also timed against the path it
-replaced (MLX's attention once per query row) at verify widths 1-8.
+replaced (MLX's attention once per query row) at verify widths 1-8, and the panel products
+against MLX's matmul and the float32 row kernel they replace in a drafter pass (a whole pass's 35
+products in one eval, ~71 MB of float32 weights: more than a CPU's cache, as in a round).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from bench_kernels import time_sync
 
 from mlx_dspark import benchmark as bm
 from mlx_dspark.blas import active_blas
-from mlx_dspark.kernels import draft_ops, invariant, native
+from mlx_dspark.kernels import draft_linear, draft_ops, invariant, native
 
 
 def row(name: str, ref: float, got: float, same: str) -> str:
@@ -97,6 +100,44 @@ def attention_lines(ext, reps: int, keys: int) -> list[str]:
     return out
 
 
+# The demo drafter's products in one pass: (K, N) per layer (q, k, v, o, gate, up, down) x 5 layers
+PASS_SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)] * 5
+
+
+def linear_lines(ext, reps: int) -> list[str]:
+    out = []
+    for m in (1, 7, 9, 16):
+        ws = [mx.random.normal((n, k), key=mx.random.key(20 + i)) / 30 for i, (k, n) in enumerate(PASS_SHAPES)]
+        panels = [draft_linear.pack(w) for w in ws]
+        xs = {k: mx.random.normal((m, k), key=mx.random.key(k)) for k in (576, 1536)}
+        mx.eval(ws, list(xs.values()))
+        mlx = time_sync(lambda: [xs[k] @ w.T for (k, _), w in zip(PASS_SHAPES, ws)], reps)
+        f32 = time_sync(lambda: [ext.invariant_linear(xs[k], w, None) for (k, _), w in zip(PASS_SHAPES, ws)], reps)
+        got = time_sync(lambda: [ext.draft_linear(xs[k], p, None, n=n) for (k, n), p in zip(PASS_SHAPES, panels)], reps)
+        ref = draft_linear.draft_linear_reference
+        diff = max(
+            mx.abs(ext.draft_linear(xs[k], p, None, n=n) - ref(xs[k], p, n)).max().item()
+            for (k, n), p in zip(PASS_SHAPES[:7], panels)
+        )
+        out.append(row_linear(f"a pass's 35 products, {m} rows", mlx, f32, got, diff))
+    w = mx.random.normal((16185, 576), key=mx.random.key(3)) / 30
+    p, x = draft_linear.pack(w), mx.random.normal((7, 576), key=mx.random.key(4))
+    mx.eval(w, x)
+    mlx = time_sync(lambda: x @ w.T, reps)
+    f32 = time_sync(lambda: ext.invariant_linear(x, w, None), reps)
+    got = time_sync(lambda: ext.draft_linear(x, p, None, n=16185), reps)
+    diff = mx.abs(ext.draft_linear(x, p, None, n=16185) - draft_linear.draft_linear_reference(x, p, 16185)).max().item()
+    out.append(row_linear("the draft-vocabulary head (16185 rows), 7 rows", mlx, f32, got, diff))
+    return out
+
+
+def row_linear(name: str, mlx: float, f32: float, got: float, diff: float) -> str:
+    return (
+        f"| {name} | {mlx * 1e6:.0f} | {f32 * 1e6:.0f} | {got * 1e6:.0f} | {mlx / got:.2f}x | {f32 / got:.2f}x "
+        f"| {diff:.1e} |"
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=50)
@@ -127,6 +168,14 @@ def main() -> int:
         "|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         *attention_lines(ext, args.reps, 256),
         *attention_lines(ext, args.reps, 2048),
+        "",
+        f"A drafter pass's products (ISA {ext.draft_linear_isa()}): MLX's matmul and the float32 row kernel "
+        "(kernels/invariant_linear.py) on float32 weights, the panel op on the same weights in float16 panels; "
+        "max diff: the op against its reference (kernels/draft_linear.py).",
+        "",
+        "| products | MLX matmul µs | float32 row kernel µs | float16 panels µs | vs MLX | vs row kernel | max diff |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *linear_lines(ext, args.reps),
         "",
     ]
     bm.emit("\n".join(lines), args.out)

@@ -25,7 +25,7 @@ NB_MODULE(_ext, m) {
   m.attr("has_metal") = DSPARK_METALLIB != 0;
   m.attr("source_hash") = DSPARK_SOURCE_HASH;
   m.attr("primitives") = nb::make_tuple("DsparkGreedyAccept", "DsparkSamplingAccept", "DsparkInvariantLinear",
-                                  "DsparkDraftAttention", "DsparkSiluMul", "DsparkMarkovGreedy",
+                                  "DsparkDraftAttention", "DsparkDraftLinear", "DsparkSiluMul", "DsparkMarkovGreedy",
                                   "DsparkInvariantAttention");
 
   m.def("greedy_accept", &dspark::greedy_accept, "logits"_a, "draft"_a, nb::kw_only(),
@@ -45,6 +45,10 @@ NB_MODULE(_ext, m) {
         nb::kw_only(), "num_heads"_a, "position"_a, "scale"_a, "eps"_a, "stream"_a = nb::none(),
         "A drafter block's attention on the CPU: q-norm, RoPE and attention over every key, out "
         "[L, num_heads * head_dim]; see mlx_dspark.kernels.draft_ops.");
+  m.def("draft_linear", &dspark::draft_linear, "x"_a, "panels"_a, "bias"_a.none(), nb::kw_only(), "n"_a,
+        "stream"_a = nb::none(),
+        "A drafter's x @ W.T (+ bias) on the CPU from float16 weight panels: [M, n] float32; see "
+        "mlx_dspark.kernels.draft_linear.");
   m.def("silu_mul", &dspark::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up on the CPU (float32); see mlx_dspark.kernels.draft_ops.");
   m.def("markov_greedy", &dspark::markov_greedy, "logits"_a, "w1"_a, "w2"_a, "vocab_ids"_a.none(), "anchor"_a,
@@ -56,6 +60,8 @@ NB_MODULE(_ext, m) {
         "its position, bitwise; see mlx_dspark.kernels.invariant.");
   m.def("draft_ops_isa", &dspark::draft_ops_isa,
         "The instruction set of the CPU draft ops in this process: 'avx2' or 'portable'.");
+  m.def("draft_linear_isa", &dspark::draft_linear_isa,
+        "The instruction set of the CPU draft linear's tiles in this process: 'avx2' or 'portable'.");
   m.def("invariant_linear_isa", &dspark::invariant_linear_isa,
         "The instruction set of the CPU invariant linear's tiles in this process: 'avx2' or 'portable'.");
 }

@@ -99,6 +99,28 @@ mx::array markov_greedy(const mx::array& logits, const mx::array& w1, const mx::
 // The instruction set draft_ops picked for this process: "avx2" or "portable".
 const char* draft_ops_isa();
 
+// A drafter's linear layer from float16 weight panels (kernels/draft_linear.py packs them): x [M, K]
+// float32, panels [ceil(n / 16), K, 16] float16 (weight row 16p + c is column c of panel p), bias [n]
+// or none -> [M, n] float32.
+mx::array draft_linear(const mx::array& x, const mx::array& panels, const std::optional<mx::array>& bias, int n,
+                       mx::StreamOrDevice s = {});
+// The instruction set draft_linear picked for this process: "avx2" or "portable".
+const char* draft_linear_isa();
+
+class DraftLinear : public mx::Primitive {
+ public:
+  DraftLinear(mx::Stream stream, bool has_bias) : mx::Primitive(stream), has_bias_(has_bias) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DsparkDraftLinear"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return has_bias_ == static_cast<const DraftLinear&>(other).has_bias_;
+  }
+
+ private:
+  bool has_bias_;
+};
+
 class DraftAttention : public mx::Primitive {
  public:
   DraftAttention(mx::Stream stream, int num_heads, int position, float scale, float eps)

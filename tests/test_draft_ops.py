@@ -149,7 +149,8 @@ def counted(monkeypatch, ext):
 
 
 @pytest.mark.parametrize("dkey", ["dspark_qwen3", "dspark_gemma4"])
-def test_a_drafter_pass_takes_the_fused_ops_and_drafts_as_mlx_does(dkey, counted):
+def test_a_drafter_pass_takes_the_fused_ops_and_drafts_as_mlx_does(dkey, counted, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_DRAFT_PANELS", "off")  # float32 products: test_draft_linear.py has the panels
     _, _, d = _pair(dkey)
     ctx = mx.random.normal((12, d.spec.backbone.context_dim), key=mx.random.key(5))
     want = d.block_hidden(77, ctx, d.new_state())  # outside a pass: MLX's ops
@@ -164,7 +165,8 @@ def test_a_drafter_pass_takes_the_fused_ops_and_drafts_as_mlx_does(dkey, counted
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
 
 
-def test_the_markov_chain_runs_as_one_op_and_drafts_what_the_loop_drafts(counted):
+def test_the_markov_chain_runs_as_one_op_and_drafts_what_the_loop_drafts(counted, monkeypatch):
+    monkeypatch.setenv("MLX_DSPARK_DRAFT_PANELS", "off")  # float32 products on both sides
     target, _, d = _pair("dspark_qwen3")
     d.restrict_vocab(range(3, 250))
     fwd = target.forward(mx.array([PROMPT]), target.make_cache(), taps=d.taps)

@@ -184,9 +184,10 @@ def test_proposer_truncates_at_first_unconfident_slot():
     assert len(seen) >= 3  # the thresholds really cut at different places
 
 
-def test_sampled_drafts_report_markov_corrected_q():
+def test_sampled_drafts_report_markov_corrected_q(monkeypatch):
     """T > 0: each token is drawn from the q it reports, and q_j is the Markov-corrected
     distribution at the verify temperature given the token actually drawn at j-1."""
+    monkeypatch.setenv("MLX_DSPARK_DRAFT_PANELS", "off")  # float32 weights, as the reference's
     ws = workspace()
     tgt, _ = target(ws["target_qwen3"])
     d = load_drafter(str(ws["dspark_qwen3"]), tgt, bits=16)

@@ -43,6 +43,7 @@ def test_extension_matches_mlx(ext):
         "DsparkInvariantLinear",
         "DsparkInvariantAttention",
         "DsparkDraftAttention",
+        "DsparkDraftLinear",
         "DsparkSiluMul",
         "DsparkMarkovGreedy",
     }

@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts the native kernel's products (the extension's invariant_linear)."""
+    """Counts the native kernel's products (the extension's invariant_linear), with the drafter's
+    float32 weights on it (the float16 panels: test_draft_linear.py)."""
+    monkeypatch.setenv("MLX_DSPARK_DRAFT_PANELS", "off")
     ext = native.ext(warn=False)
     real = ext.invariant_linear
     seen = []

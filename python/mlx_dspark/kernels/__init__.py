@@ -177,12 +177,24 @@ def kernel_paths() -> dict:
         "sampling_accept": shown("sampling_accept"),
         "decode_attention": attention,
         "draft_ops": f"native-cpu ({ext.draft_ops_isa()})" if cpu_native else "MLX's ops",
+        "draft_products": _draft_products(ext) if cpu_native else "MLX's matmul",
         "wide_gemm": (
             f"on (>= {wg['min_rows']} rows, {wg['compute']} GEMM): {wg['why']}"
             if wg["enabled"]
             else f"off: {wg['why']}"
         ),
     }
+
+
+def _draft_products(ext) -> str:
+    """How a drafter pass multiplies its float32 weights on the CPU (kernels/native_products.py)."""
+    from . import native_products
+
+    if not hasattr(ext, "draft_linear"):
+        return "native-cpu float32 row kernel"
+    if not native_products.panels_on():
+        return "native-cpu float32 row kernel (MLX_DSPARK_DRAFT_PANELS=off)"
+    return f"native-cpu float16 panels ({ext.draft_linear_isa()})"
 
 
 def greedy_accept(logits: mx.array, draft: mx.array) -> tuple[mx.array, mx.array, mx.array]:

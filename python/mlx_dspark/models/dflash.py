@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .checkpoints import DrafterSpec
 from .drafter_backbone import Backbone, ContextKV
@@ -51,6 +52,19 @@ class BlockDrafter:
         self.block_size = spec.block_size
         self.block_drafts = spec.block_drafts
         self.mask_token_id = spec.mask_token_id
+
+    def product_weights(self) -> list[mx.array]:
+        """The float weights a drafter pass multiplies: the backbone's linear layers and the head's
+        (the draft vocabulary's gathered rows where it has one). kernels/native_products.py packs
+        them at load on the CPU."""
+        mods = [m for top in (self.model.fc, *self.model.layers) for _, m in top.named_modules()]
+        out = [m["weight"] for m in mods if type(m) is nn.Linear]
+        proj = getattr(self, "_head", None)
+        head = getattr(proj, "dense_weight", None)  # draft_vocab.row_subset's gathered rows
+        if head is None:
+            mod = getattr(proj, "__self__", proj)  # an Embedding's as_linear: the embedding
+            head = mod.get("weight") if isinstance(mod, (nn.Linear, nn.Embedding)) and "scales" not in mod else None
+        return out + ([head] if head is not None else [])
 
     # ------------------------------------------------------------------ protocol
     def new_state(self) -> list[ContextKV]:

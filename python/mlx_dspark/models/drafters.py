@@ -175,6 +175,9 @@ def load_drafter(source: str, target, *, bits: int | None = None, draft_vocab="a
     ids = dv.select(path, draft_vocab, spec.vocab_size)
     if ids is not None:
         drafter.restrict_vocab(ids)
+    from ..kernels import native_products
+
+    native_products.prepack(drafter.product_weights())  # the CPU's float16 panels (kernels/draft_linear.py)
     return drafter
 
 
