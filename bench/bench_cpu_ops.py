@@ -2,7 +2,7 @@
 
     python bench/bench_cpu_ops.py [--out bench/results/cpu-ops.md]
 
-csrc/draft_ops.cpp (a drafter pass: attention, SiLU-and-multiply, the Markov chain),
+csrc/draft_ops.cpp (a drafter pass: attention, SiLU-and-multiply, RMS norm, the Markov chain),
 csrc/draft_linear.cpp (a drafter pass's products from float16 panels) and
 csrc/invariant_attention.cpp (every decode forward's attention) on the demo pair's shapes: the
 drafter's 9 / 3 heads of 64, block 7, hidden 1024, draft vocabulary 16185, Markov rank 48; the
@@ -34,6 +34,12 @@ def row(name: str, ref: float, got: float, same: str) -> str:
     return f"| {name} | {ref * 1e6:.1f} | {got * 1e6:.1f} | {ref / got:.2f}x | {same} |"
 
 
+def chain(fn, x, n: int):
+    for _ in range(n):
+        x = fn(x)
+    return x
+
+
 def draft_lines(ext, reps: int, keys: int) -> list[str]:
     k = mx.random.key(0)
     L, nh, nkv, hd = 7, 9, 3, 64
@@ -49,7 +55,8 @@ def draft_lines(ext, reps: int, keys: int) -> list[str]:
     w1, w2 = mx.random.normal((V, r), key=mx.random.key(6)), mx.random.normal((Vd, r), key=mx.random.key(7))
     ids = mx.sort(mx.random.permutation(V, key=mx.random.key(8))[:Vd]).astype(mx.int32)
     anchor = mx.array(int(ids[3].item()), dtype=mx.int32)
-    mx.eval(q, w, kk, vv, rates, g, u, U, w1, w2, ids)
+    xn, wn = mx.random.normal((L, 576), key=mx.random.key(9)), mx.random.uniform(0.5, 1.5, (576,), key=k)
+    mx.eval(q, w, kk, vv, rates, g, u, U, w1, w2, ids, xn, wn)
     cases = [
         (
             f"draft attention (7 rows over {keys} keys: q-norm, RoPE, attention)",
@@ -61,6 +68,12 @@ def draft_lines(ext, reps: int, keys: int) -> list[str]:
             "silu(gate) * up (7 x 1024)",
             lambda: draft_ops.silu_mul_reference(g, u),
             lambda: ext.silu_mul(g, u),
+            lambda a, b: f"max diff {mx.abs(a - b).max().item():.1e}",
+        ),
+        (
+            "a pass's 17 RMS norms (7 x 576 each, chained, one eval)",
+            lambda: chain(lambda y: draft_ops.rms_norm_reference(y, wn, 1e-5), xn, 17),
+            lambda: chain(lambda y: ext.rms_norm(y, wn, eps=1e-5), xn, 17),
             lambda a, b: f"max diff {mx.abs(a - b).max().item():.1e}",
         ),
         (

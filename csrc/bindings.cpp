@@ -25,7 +25,8 @@ NB_MODULE(_ext, m) {
   m.attr("has_metal") = DSPARK_METALLIB != 0;
   m.attr("source_hash") = DSPARK_SOURCE_HASH;
   m.attr("primitives") = nb::make_tuple("DsparkGreedyAccept", "DsparkSamplingAccept", "DsparkInvariantLinear",
-                                  "DsparkDraftAttention", "DsparkDraftLinear", "DsparkSiluMul", "DsparkMarkovGreedy",
+                                  "DsparkDraftAttention", "DsparkDraftLinear", "DsparkRmsNorm", "DsparkSiluMul",
+                                  "DsparkMarkovGreedy",
                                   "DsparkInvariantAttention");
 
   m.def("greedy_accept", &dspark::greedy_accept, "logits"_a, "draft"_a, nb::kw_only(),
@@ -51,6 +52,9 @@ NB_MODULE(_ext, m) {
         "mlx_dspark.kernels.draft_linear.");
   m.def("silu_mul", &dspark::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up on the CPU (float32); see mlx_dspark.kernels.draft_ops.");
+  m.def("rms_norm", &dspark::draft_rms_norm, "x"_a, "weight"_a.none(), nb::kw_only(), "eps"_a,
+        "stream"_a = nb::none(),
+        "RMS norm over the last axis on the CPU (float32; weight or none); see mlx_dspark.kernels.draft_ops.");
   m.def("markov_greedy", &dspark::markov_greedy, "logits"_a, "w1"_a, "w2"_a, "vocab_ids"_a.none(), "anchor"_a,
         nb::kw_only(), "stream"_a = nb::none(),
         "The Markov head's greedy chain on the CPU: tokens [k] int32; see mlx_dspark.kernels.draft_ops.");

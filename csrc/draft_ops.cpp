@@ -7,6 +7,8 @@
 //   draft_attention   q-norm, RoPE and non-causal attention of a block's query rows over the
 //                     drafter's keys/values (any strides), out in o_proj's input layout.
 //   silu_mul          silu(gate) * up.
+//   rms_norm          x * rsqrt(mean(x^2) + eps) * weight over the last axis (MLX's CPU build runs
+//                     mx.fast.rms_norm as ~7 ops; a pass has 17 norms: ~1.7 ms of its ~8).
 //   markov_greedy     the Markov head's greedy chain: token_j = ids[argmax(U_j + W2 W1[prev])],
 //                     prev = token_j, for every slot in one op.
 // Drafts need no exactness (the target verifies each), so the exp is a polynomial one; the
@@ -150,6 +152,44 @@ void SiluMul::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
       });
 }
 
+// ------------------------------------------------------------------------------------ rms_norm
+mx::array draft_rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps,
+                         mx::StreamOrDevice s) {
+  constexpr const char* op = "rms_norm";
+  auto st = cpu_stream(op, s);
+  need_f32(op, x, "x");
+  if (x.ndim() < 1 || x.shape(-1) < 1) fail(op, "x must have a last axis");
+  std::vector<mx::array> inputs = {mx::contiguous(x, false, st)};
+  if (weight) {
+    need_f32(op, *weight, "weight");
+    if (weight->ndim() != 1 || weight->shape(0) != x.shape(-1)) fail(op, "weight must be [x's last axis]");
+    inputs.push_back(mx::contiguous(*weight, false, st));
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<DraftRmsNorm>(st, eps, weight.has_value()), inputs);
+}
+
+void DraftRmsNorm::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& out = outputs[0];
+  begin(stream(), inputs, out);
+  const int D = inputs[0].shape(-1);
+  const int64_t rows = static_cast<int64_t>(inputs[0].size() / D);
+  mx::cpu::get_command_encoder(stream()).dispatch(
+      [xp = inputs[0].data<float>(), wp = has_weight_ ? inputs[1].data<float>() : nullptr, y = out.data<float>(), D,
+       rows, eps = eps_]() {
+        const Vec& f = vec();
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* x = xp + r * D;
+          float* o = y + r * D;
+          const float inv = 1.0f / std::sqrt(f.dot(x, x, D) / static_cast<float>(D) + eps);
+          if (wp) {
+            for (int i = 0; i < D; ++i) o[i] = x[i] * inv * wp[i];
+          } else {
+            for (int i = 0; i < D; ++i) o[i] = x[i] * inv;
+          }
+        }
+      });
+}
+
 // ------------------------------------------------------------------------------- markov_greedy
 mx::array markov_greedy(const mx::array& logits, const mx::array& w1, const mx::array& w2,
                         const std::optional<mx::array>& vocab_ids, const mx::array& anchor, mx::StreamOrDevice s) {
@@ -209,6 +249,9 @@ void DraftAttention::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arr
 }
 void SiluMul::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[dspark.silu_mul] runs on the CPU; GPUs use kernels/draft_ops.py's reference");
+}
+void DraftRmsNorm::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("[dspark.rms_norm] runs on the CPU; GPUs use mx.fast.rms_norm");
 }
 void MarkovGreedy::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error("[dspark.markov_greedy] runs on the CPU; GPUs use kernels/draft_ops.py's reference");

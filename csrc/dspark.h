@@ -91,6 +91,9 @@ mx::array draft_attention(const mx::array& q, const mx::array& q_norm, const mx:
                           float scale, float eps, mx::StreamOrDevice s = {});
 // silu(gate) * up, one shape.
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+// x * rsqrt(mean(x^2, last axis) + eps) (* weight [D]), float32, x's shape.
+mx::array draft_rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps,
+                         mx::StreamOrDevice s = {});
 // logits [k, Vd], w1 [V, r], w2 [Vd, r], vocab_ids [Vd] or none, anchor (one id) -> tokens [k] int32:
 // t_j = ids[argmax(logits_j + w2 . w1[t_{j-1}])], t_{-1} = anchor.
 mx::array markov_greedy(const mx::array& logits, const mx::array& w1, const mx::array& w2,
@@ -145,6 +148,23 @@ class SiluMul : public mx::Primitive {
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override { return "DsparkSiluMul"; }
   bool is_equivalent(const mx::Primitive& other) const override { return true; }
+};
+
+class DraftRmsNorm : public mx::Primitive {
+ public:
+  DraftRmsNorm(mx::Stream stream, float eps, bool has_weight)
+      : mx::Primitive(stream), eps_(eps), has_weight_(has_weight) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DsparkRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const DraftRmsNorm&>(other);
+    return eps_ == o.eps_ && has_weight_ == o.has_weight_;
+  }
+
+ private:
+  float eps_;
+  bool has_weight_;
 };
 
 class MarkovGreedy : public mx::Primitive {

@@ -1,6 +1,7 @@
-"""The drafter pass's fused CPU ops (csrc/draft_ops.cpp, kernels/draft_ops.py): each equals its
-pure-MLX reference on fresh random inputs, a drafter pass takes them only inside native_products(),
-its drafts equal MLX's ops', and generations stay equal to plain decoding in tokens and text."""
+"""The drafter pass's fused CPU ops (csrc/draft_ops.cpp, kernels/draft_ops.py: attention, SiLU, RMS
+norm, the Markov chain): each equals its pure-MLX reference on fresh random inputs, a drafter pass
+takes them only inside native_products(), its drafts equal MLX's ops', and generations stay equal
+to plain decoding in tokens and text."""
 
 from __future__ import annotations
 
@@ -118,6 +119,20 @@ def test_bad_inputs_say_what_to_pass(ext):
             ext.silu_mul(mx.zeros((3,)), mx.zeros((3,)), stream=mx.Device(mx.gpu))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_rms_norm_equals_its_reference(ext, seed):
+    rng = np.random.default_rng(seed)
+    shape = tuple(int(n) for n in rng.integers(1, 9, size=int(rng.integers(1, 4)))) + (int(rng.integers(1, 700)),)
+    x = mx.array(rng.standard_normal(shape).astype(np.float32) * 5)
+    w = mx.array(rng.uniform(0.5, 1.5, shape[-1]).astype(np.float32)) if seed % 2 else None
+    eps = float(rng.choice([1e-6, 1e-5, 0.1]))
+    got = ext.rms_norm(x, w, eps=eps)
+    assert got.shape == x.shape and got.dtype == mx.float32
+    assert mx.allclose(got, draft_ops.rms_norm_reference(x, w, eps), atol=1e-5, rtol=1e-5).item()
+    t = x.reshape(-1, shape[-1]).T  # a transposed view: made contiguous, not misread
+    assert mx.allclose(ext.rms_norm(t, None, eps=eps), draft_ops.rms_norm_reference(t, None, eps), atol=1e-5).item()
+
+
 def test_rope_rates_cover_the_rotations_the_op_does():
     assert draft_ops.inv_freq(PlainRoPE(64, 1e4, full_head=True)).shape == (32,)
     assert draft_ops.inv_freq(PlainRoPE(32, 1e4)) is None  # partial RoPE rotates other pairs: MLX's ops
@@ -140,7 +155,7 @@ def counted(monkeypatch, ext):
     class Counting:
         def __getattr__(self, name):
             real = getattr(ext, name)
-            if name in ("draft_attention", "silu_mul", "markov_greedy"):
+            if name in ("draft_attention", "silu_mul", "markov_greedy", "rms_norm"):
                 return lambda *a, **k: (seen.append(name), real(*a, **k))[1]
             return real
 
@@ -162,6 +177,9 @@ def test_a_drafter_pass_takes_the_fused_ops_and_drafts_as_mlx_does(dkey, counted
     layers = d.spec.backbone.num_layers
     assert counted.count("draft_attention") == layers
     assert counted.count("silu_mul") == (0 if "gemma4" in dkey else layers)  # Gemma's MLP is GELU
+    # per layer: input, post-attention (Gemma: pre- and post-feed-forward too) and the keys' norm; the
+    # context rows' hidden_norm and the final norm
+    assert counted.count("rms_norm") == (5 if "gemma4" in dkey else 3) * layers + 2
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
 
 
@@ -216,6 +234,8 @@ def test_the_portable_fallbacks_equal_the_references_too():
         an = mx.array(7, dtype=mx.int32)
         got = ext.markov_greedy(U, w1, w2, None, an).tolist()
         assert got == draft_ops.markov_greedy_reference(U, w1, w2, None, an).tolist()
+        n = ext.rms_norm(g, u[0], eps=1e-5)
+        assert mx.allclose(n, draft_ops.rms_norm_reference(g, u[0], 1e-5), atol=1e-5, rtol=1e-5).item()
         qd = mx.random.normal((1, 4, 3, 16), key=k)
         d = ext.invariant_attention(qd, kv[0], kv[1], scale=0.25)
         ref = invariant.invariant_attention_reference(qd, kv[0], kv[1], 0.25)

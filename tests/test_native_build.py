@@ -44,6 +44,7 @@ def test_extension_matches_mlx(ext):
         "DsparkInvariantAttention",
         "DsparkDraftAttention",
         "DsparkDraftLinear",
+        "DsparkRmsNorm",
         "DsparkSiluMul",
         "DsparkMarkovGreedy",
     }

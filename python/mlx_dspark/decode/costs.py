@@ -141,6 +141,10 @@ def key_for(target, drafter=None) -> dict:
     if drafter is not None:
         d = drafter.describe()
         key["drafter"] = {k: d.get(k) for k in ("source", "kind", "bits", "block_size", "layers", "draft_vocab")}
+        if mx.default_device() == mx.cpu:
+            from ..kernels import native_products
+
+            key["drafter"]["panels"] = native_products.panels_on()  # float16 panels or float32 weights
     return key
 
 

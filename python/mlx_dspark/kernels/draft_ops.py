@@ -1,4 +1,4 @@
-"""The drafter pass's small ops, fused on the CPU: attention, SiLU-and-multiply, the Markov chain.
+"""The drafter pass's small ops, fused on the CPU: attention, SiLU-and-multiply, RMS norm, the Markov chain.
 
 MLX's CPU build (0.32.x, x86) evaluates exp one float at a time (about 20 ns an element) and each
 op of a drafter pass covers only a handful of rows, so on the CPU the pass's softmax, SiLU, RoPE,
@@ -9,6 +9,8 @@ native ops inside `native_products()` (a drafter pass on the CPU, kernels/native
 
   attention(q, ...)        q-norm + RoPE + attention of a block's rows over every key
   silu_mul(gate, up)       silu(gate) * up
+  rms_norm(norm, x)        an nn.RMSNorm's x * rsqrt(mean(x^2) + eps) * weight (MLX's CPU build runs
+                           mx.fast.rms_norm as ~7 ops: the pass's 17 norms were ~1.7 ms of its ~8)
   markov_greedy(U, ...)    t_j = ids[argmax(U_j + W2 . W1[t_{j-1}])], t_-1 = the anchor
 
 Each returns None where the native op does not apply (another device, a dtype other than float32,
@@ -53,6 +55,10 @@ def attention_reference(
 
 def silu_mul_reference(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
+
+
+def rms_norm_reference(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, weight, eps)
 
 
 def markov_greedy_reference(
@@ -109,6 +115,14 @@ def silu_mul(gate: mx.array, up: mx.array) -> mx.array | None:
     return ext.silu_mul(gate, up)
 
 
+def rms_norm(norm, x: mx.array) -> mx.array:
+    """norm(x) for an nn.RMSNorm `norm`: the native op inside a drafter pass on the CPU, else MLX's."""
+    ext = _ext()
+    if ext is None or not _f32(x, norm.weight):
+        return norm(x)
+    return ext.rms_norm(x, norm.weight, eps=norm.eps)
+
+
 def markov_greedy(logits, w1, w2, vocab_ids, anchor) -> mx.array | None:
     ext = _ext()
     if ext is None or not _f32(logits, w1, w2):
@@ -122,6 +136,8 @@ __all__ = [
     "inv_freq",
     "markov_greedy",
     "markov_greedy_reference",
+    "rms_norm",
+    "rms_norm_reference",
     "silu_mul",
     "silu_mul_reference",
 ]

@@ -9,7 +9,7 @@ rows; bench/bench_drafter_pass.py). The target's own decode already runs on that
 
 A float32 weight runs from float16 panels instead (kernels/draft_linear.py, csrc/draft_linear.cpp):
 the pass streams every drafter weight once a round, so half the bytes and a tile that feeds each
-weight vector to all of its rows cut the products by ~1.3-1.6x (bench/results/cpu-ops.md). The
+weight vector to all of its rows cut the products by ~1.3-1.9x (bench/results/cpu-ops.md). The
 weights are packed at the drafter's load (`prepack`), or at their first product;
 MLX_DSPARK_DRAFT_PANELS=off keeps the float32 row kernel.
 

@@ -157,6 +157,9 @@ class ContextKV:
         return [] if self.keys is None else [self.keys, self.values]
 
 
+_norm = draft_ops.rms_norm  # an nn.RMSNorm's output: the native op inside a drafter pass on the CPU
+
+
 # ---------------------------------------------------------------------------------- layers
 class DraftAttention(nn.Module):
     def __init__(self, cfg: BackboneConfig):
@@ -180,7 +183,7 @@ class DraftAttention(nn.Module):
             v = mx.fast.rms_norm(k, None, cfg.rms_norm_eps)
         else:
             v = self.v_proj(x).reshape(B, L, cfg.num_kv_heads, cfg.head_dim)
-        k = rope(self.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
+        k = rope(_norm(self.k_norm, k).transpose(0, 2, 1, 3), offset=offset)
         return k, v.transpose(0, 2, 1, 3)
 
     def ingest(self, ctx: mx.array, rope, cache: ContextKV) -> None:
@@ -227,7 +230,7 @@ class DraftAttention(nn.Module):
         rows = mx.concatenate(pieces, axis=1) if B > 1 else pieces[0]
         k = self.k_proj(rows).reshape(1, -1, nkv, hd)
         v = mx.fast.rms_norm(k, None, cfg.rms_norm_eps) if cfg.k_eq_v else self.v_proj(rows).reshape(1, -1, nkv, hd)
-        k = self.k_norm(k)
+        k = _norm(self.k_norm, k)
         q_rows = self.q_proj(x)
         q = None
         outs, at = [], 0
@@ -284,22 +287,19 @@ class DraftLayer(nn.Module):
             self.layer_scalar = mx.ones((1,))
 
     def __call__(self, h: mx.array, ctx: mx.array | None, rope, cache: ContextKV) -> mx.array:
-        a = self.self_attn(self.input_layernorm(h), ctx, rope, cache)
-        if not self.gemma:
-            h = h + a
-            return h + self.mlp(self.post_attention_layernorm(h))
-        h = h + self.post_attention_layernorm(a)
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-        return h * self.layer_scalar
+        return self._rest(h, self.self_attn(_norm(self.input_layernorm, h), ctx, rope, cache))
 
     def call_rows(self, h: mx.array, ctxs: list, rope, caches: list) -> mx.array:
         """__call__ for B rows at once (DraftAttention.call_rows)."""
-        a = self.self_attn.call_rows(self.input_layernorm(h), ctxs, rope, caches)
+        return self._rest(h, self.self_attn.call_rows(_norm(self.input_layernorm, h), ctxs, rope, caches))
+
+    def _rest(self, h: mx.array, a: mx.array) -> mx.array:
+        """The layer after its attention output `a`: residuals, norms, MLP."""
         if not self.gemma:
             h = h + a
-            return h + self.mlp(self.post_attention_layernorm(h))
-        h = h + self.post_attention_layernorm(a)
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+            return h + self.mlp(_norm(self.post_attention_layernorm, h))
+        h = h + _norm(self.post_attention_layernorm, a)
+        h = h + _norm(self.post_feedforward_layernorm, self.mlp(_norm(self.pre_feedforward_layernorm, h)))
         return h * self.layer_scalar
 
 
@@ -324,7 +324,7 @@ class Backbone(nn.Module):
         if rows.ndim == 2:
             rows = rows[None]
         dtype = self.hidden_norm.weight.dtype
-        return self.hidden_norm(self.fc(rows.astype(dtype)))
+        return _norm(self.hidden_norm, self.fc(rows.astype(dtype)))
 
     def ingest(self, rows: mx.array, caches: list[ContextKV]) -> None:
         """Project context rows into every layer's cache without running a block."""
@@ -339,7 +339,7 @@ class Backbone(nn.Module):
         h = emb
         for layer, c in zip(self.layers, caches):
             h = layer(h, ctx, self._rope, c)
-        return self.norm(h)
+        return _norm(self.norm, h)
 
     def run_block_rows(self, emb: mx.array, rows: list, caches: list) -> mx.array:
         """run_block for B rows at once: emb [B, S, H] the rows' block embeddings, rows[b] row b's
@@ -356,4 +356,4 @@ class Backbone(nn.Module):
         h = emb
         for i, layer in enumerate(self.layers):
             h = layer.call_rows(h, ctxs, self._rope, [c[i] for c in caches])
-        return self.norm(h)
+        return _norm(self.norm, h)
