@@ -1,7 +1,8 @@
 """A drafter's linear layers on the CPU from float16 panels (csrc/draft_linear.cpp,
 kernels/draft_linear.py): the op equals its pure-MLX reference on fresh random inputs, a row does
-not depend on how many run together, a drafter pass takes it for its float weights (packed at
-load, packed again when a weight is replaced), and generations stay equal to plain decoding."""
+not depend on how many run together, and a drafter pass takes it for its float weights (packed at
+load, packed again when a weight is replaced). Generations with it, and its portable tiles:
+tests/test_draft_ops.py."""
 
 from __future__ import annotations
 
@@ -9,18 +10,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from drafter_fixtures import workspace
+from test_draft_ops import _pair, counted  # noqa: F401  (the fixture: the ops' calls, counted)
 
-import mlx_dspark as md
-from mlx_dspark.compat import route_linears_to_invariant_op
 from mlx_dspark.kernels import draft_linear, native, native_products
-from mlx_dspark.models.drafters import load_drafter
 
 pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu or native.ext(warn=False) is None, reason="the native op runs on the CPU build"
 )
-
-PROMPT = [5, 9, 23, 41, 7, 12, 30, 2, 19]
 
 
 @pytest.fixture
@@ -68,31 +64,8 @@ def test_pack_roundtrip_and_refusals(ext):
         ext.draft_linear(mx.zeros((2, 3), dtype=mx.float16), panels, None, n=40)
 
 
-def _pair():
-    route_linears_to_invariant_op()
-    ws = workspace()
-    target, tok = md.load_target(str(ws["target_qwen3"]), dtype="float32")
-    return target, tok, load_drafter(str(ws["dspark_qwen3"]), target, bits=16)
-
-
-@pytest.fixture
-def counted(monkeypatch, ext):
-    """Counts the native linear ops' calls by kind."""
-    seen: list[str] = []
-
-    class Counting:
-        def __getattr__(self, name):
-            real = getattr(ext, name)
-            if name in ("draft_linear", "invariant_linear"):
-                return lambda *a, **k: (seen.append(name), real(*a, **k))[1]
-            return real
-
-    monkeypatch.setattr(native, "ext", lambda warn=True: Counting())
-    return seen
-
-
-def test_a_drafter_pass_runs_its_float_weights_from_panels(counted, monkeypatch):
-    _, _, d = _pair()
+def test_a_drafter_pass_runs_its_float_weights_from_panels(counted, monkeypatch):  # noqa: F811
+    _, _, d = _pair("dspark_qwen3")
     weights = d.product_weights()
     assert weights and all(id(w) in native_products._packs for w in weights)  # packed at load
     ctx = mx.random.normal((12, d.spec.backbone.context_dim), key=mx.random.key(5))
@@ -129,40 +102,3 @@ def test_a_replaced_weight_is_packed_again():
         second = native_products.linear(layer, x)
     want = x @ (layer.weight.astype(mx.float16).astype(mx.float32)).T + layer.bias
     assert mx.allclose(second, want, atol=1e-5).item() and not mx.allclose(first, second).item()
-
-
-@pytest.mark.parametrize("dkey", ["perm_dspark_noisy", "perm_dspark"])
-def test_generations_from_panels_equal_baseline(dkey, counted):
-    ws = workspace()
-    target, tok = md.load_target(str(ws["target_perm"]), dtype="float32")
-    d = load_drafter(str(ws[dkey]), target, bits=16)
-    base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=48)
-    spec = md.generate(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=48)
-    assert spec.tokens == base.tokens and spec.text == base.text
-    assert spec.stats["drafter_accepted"] > 0 and "draft_linear" in counted
-
-
-def test_the_portable_tiles_equal_the_reference_too():
-    """MLX_DSPARK_CPU_ISA=portable: the scalar tiles (a CPU without AVX2 + FMA + F16C), in their own process."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent(
-        """
-        import mlx.core as mx
-        from mlx_dspark.kernels import draft_linear, native
-        ext = native.ext(warn=False)
-        assert ext.draft_linear_isa() == "portable", ext.draft_linear_isa()
-        x, w = mx.random.normal((9, 77), key=mx.random.key(1)), mx.random.normal((50, 77), key=mx.random.key(2))
-        p, b = draft_linear.pack(w), mx.random.normal((50,))
-        got, want = ext.draft_linear(x, p, b, n=50), draft_linear.draft_linear_reference(x, p, 50, b)
-        assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
-        assert mx.array_equal(got[4:5], ext.draft_linear(x[4:5], p, b, n=50)).item()
-        print("ok")
-        """
-    )
-    env = {**os.environ, "MLX_DSPARK_CPU_ISA": "portable"}
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -155,7 +155,7 @@ def counted(monkeypatch, ext):
     class Counting:
         def __getattr__(self, name):
             real = getattr(ext, name)
-            if name in ("draft_attention", "silu_mul", "markov_greedy", "rms_norm"):
+            if name in ("draft_attention", "silu_mul", "markov_greedy", "rms_norm", "draft_linear", "invariant_linear"):
                 return lambda *a, **k: (seen.append(name), real(*a, **k))[1]
             return real
 
@@ -208,10 +208,11 @@ def test_generations_with_the_fused_ops_equal_baseline(dkey, counted):
     spec = md.generate(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=48)
     assert spec.tokens == base.tokens and spec.text == base.text
     assert spec.stats["drafter_accepted"] > 0 and "draft_attention" in counted
+    assert "draft_linear" in counted  # the products from float16 panels (tests/test_draft_linear.py)
 
 
 def test_the_portable_fallbacks_equal_the_references_too():
-    """MLX_DSPARK_CPU_ISA=portable: the ops' scalar set (a CPU without AVX2 + FMA), in its own process."""
+    """MLX_DSPARK_CPU_ISA=portable: the ops' scalar set (a CPU without AVX2 + FMA + F16C), in its own process."""
     import subprocess
     import sys
     import textwrap
@@ -219,7 +220,7 @@ def test_the_portable_fallbacks_equal_the_references_too():
     script = textwrap.dedent(
         """
         import mlx.core as mx
-        from mlx_dspark.kernels import draft_ops, invariant, native
+        from mlx_dspark.kernels import draft_linear, draft_ops, invariant, native
         ext = native.ext(warn=False)
         assert ext.draft_ops_isa() == "portable", ext.draft_ops_isa()
         k = mx.random.key(3)
@@ -236,6 +237,12 @@ def test_the_portable_fallbacks_equal_the_references_too():
         assert got == draft_ops.markov_greedy_reference(U, w1, w2, None, an).tolist()
         n = ext.rms_norm(g, u[0], eps=1e-5)
         assert mx.allclose(n, draft_ops.rms_norm_reference(g, u[0], 1e-5), atol=1e-5, rtol=1e-5).item()
+        assert ext.draft_linear_isa() == "portable", ext.draft_linear_isa()
+        x, wl = mx.random.normal((9, 77), key=k), mx.random.normal((50, 77), key=mx.random.key(2))
+        p, bl = draft_linear.pack(wl), mx.random.normal((50,), key=k)
+        y = ext.draft_linear(x, p, bl, n=50)
+        assert mx.allclose(y, draft_linear.draft_linear_reference(x, p, 50, bl), atol=1e-4, rtol=1e-4).item()
+        assert mx.array_equal(y[4:5], ext.draft_linear(x[4:5], p, bl, n=50)).item()
         qd = mx.random.normal((1, 4, 3, 16), key=k)
         d = ext.invariant_attention(qd, kv[0], kv[1], scale=0.25)
         ref = invariant.invariant_attention_reference(qd, kv[0], kv[1], 0.25)
