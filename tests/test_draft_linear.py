@@ -102,3 +102,11 @@ def test_a_replaced_weight_is_packed_again():
         second = native_products.linear(layer, x)
     want = x @ (layer.weight.astype(mx.float16).astype(mx.float32)).T + layer.bias
     assert mx.allclose(second, want, atol=1e-5).item() and not mx.allclose(first, second).item()
+
+
+def test_a_weight_past_the_cap_keeps_the_float32_kernel(monkeypatch, counted):  # noqa: F811
+    monkeypatch.setattr(native_products, "MAX_PANEL_ELEMENTS", 100)
+    layer, x = nn.Linear(40, 24), mx.random.normal((3, 40))  # 960 elements
+    with native_products.native_products():
+        y = native_products.linear(layer, x)
+    assert counted == ["invariant_linear"] and mx.allclose(y, layer(x), atol=1e-5).item()

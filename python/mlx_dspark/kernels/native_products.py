@@ -114,6 +114,11 @@ def panels_on() -> bool:
     return os.environ.get("MLX_DSPARK_DRAFT_PANELS", "on").strip().lower() not in ("0", "off", "no", "false")
 
 
+# A weight larger than this keeps the float32 kernel: a copy of a big target's tied head (a drafter
+# without a draft vocabulary multiplies by it) would cost more memory than its pass saves time.
+MAX_PANEL_ELEMENTS = 1 << 26
+
+
 def _panels(weight: mx.array) -> mx.array | None:
     key = id(weight)
     hit = _packs.get(key)
@@ -121,7 +126,8 @@ def _panels(weight: mx.array) -> mx.array | None:
         from . import draft_linear
 
         weakref.finalize(weight, _packs.pop, key, None)
-        hit = _packs[key] = (weakref.ref(weight), draft_linear.pack(weight))
+        panels = draft_linear.pack(weight) if weight.size <= MAX_PANEL_ELEMENTS else None
+        hit = _packs[key] = (weakref.ref(weight), panels)
     return hit[1]
 
 
