@@ -37,6 +37,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 MAX_ROWS_FAST_BLAS = 64  # above this many rows a fast BLAS keeps the product
+# A weight larger than this keeps the float32 kernel: a float16 copy of a big target's tied head (a
+# drafter without a draft vocabulary multiplies by it) would cost more memory than its pass saves.
+MAX_PANEL_ELEMENTS = 1 << 26
 
 _local = threading.local()
 _fast_blas: list[bool] = []  # memo: whether MLX's BLAS in this process is a fast one
@@ -112,11 +115,6 @@ _packs: dict = {}
 def panels_on() -> bool:
     """MLX_DSPARK_DRAFT_PANELS=off keeps a drafter's float32 weights on the float32 kernel (A/B)."""
     return os.environ.get("MLX_DSPARK_DRAFT_PANELS", "on").strip().lower() not in ("0", "off", "no", "false")
-
-
-# A weight larger than this keeps the float32 kernel: a copy of a big target's tied head (a drafter
-# without a draft vocabulary multiplies by it) would cost more memory than its pass saves time.
-MAX_PANEL_ELEMENTS = 1 << 26
 
 
 def _panels(weight: mx.array) -> mx.array | None:
