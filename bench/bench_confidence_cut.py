@@ -34,7 +34,6 @@ from mlx_dspark.blas import active_blas  # noqa: E402
 from mlx_dspark.decode import policy as pol  # noqa: E402
 
 SWITCHES = {"cut": ("plain", "no cut", "cut"), "panels": ("plain", "float32", "panels")}
-SIDES = SWITCHES["cut"]
 
 
 def one(target, tok, drafter, ids, side: str, n: int):
@@ -69,9 +68,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out")
     args = ap.parse_args()
-    global SIDES
-    SIDES = SWITCHES[args.switch]
-    plain_side, off_side, on_side = SIDES
+    sides = SWITCHES[args.switch]
+    plain_side, off_side, on_side = sides
     t0 = time.perf_counter()
     model, target, tok = bm.load_bench_target(args.model)
     drafter = drafter_for(target, "dspark")
@@ -79,12 +77,12 @@ def main() -> int:
     for cls in args.classes.split(","):
         for i, prompt in enumerate(bm.PROMPT_SETS[cls]):
             ids = encode_prompt(tok, prompt)
-            tps = {s: [] for s in SIDES}
-            cpu = {s: [] for s in SIDES}
+            tps = {s: [] for s in sides}
+            cpu = {s: [] for s in sides}
             cut_slots = []
             ref = None
             for trial in range(args.trials + 1):  # trial 0: the warm-up
-                for side in SIDES:
+                for side in sides:
                     r, per_cpu_s = one(target, tok, drafter, ids, side, args.tokens)
                     ref = ref or (r.tokens, r.text)
                     if (r.tokens, r.text) != ref:

@@ -35,28 +35,10 @@ constexpr int kTileRows = 6;  // x rows per tile (12 accumulators + 2 weight vec
 // out[r * 16 + c] = sum_k x[r, k] * panel[k, c], r < R.
 using PanelTile = void (*)(const float* x, int64_t ldx, const uint16_t* panel, int K, float* out, int R);
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      do {
-        ++e;
-        man <<= 1;
-      } while ((man & 0x400u) == 0);
-      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | man << 13;
-  } else {
-    bits = sign | (exp + 127 - 15) << 23 | man << 13;
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+float half_to_float(uint16_t h) {  // MLX's float16_t widens exactly
+  mx::float16_t v;
+  std::memcpy(&v, &h, sizeof v);
+  return static_cast<float>(v);
 }
 
 void tile_portable(const float* x, int64_t ldx, const uint16_t* panel, int K, float* out, int R) {
