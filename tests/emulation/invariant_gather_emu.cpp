@@ -1,5 +1,5 @@
 // Runs the GPU body kernels/gpu/invariant_gather.h (MoE experts) on the CPU: the Metal branch of
-// ds_portable.h, one std::thread per lane of a warp (metal_emu.h). Experts are packed as mlx-lm stores
+// ds_portable.h, one warp at a time, its lanes as fibers (metal_emu.h, warp_fibers.h). Experts are packed as mlx-lm stores
 // them ([E, N, K] dense, or MLX's affine layout per expert). Checks, for dense experts and for bits
 // 2, 4, 8 at groups 32, 64, 128, in both of mlx-lm's layouts (gate / up: one x row per token for its k
 // experts, rep = k; down and the sorted calls: one x row per pair, rep = 1):
@@ -16,6 +16,7 @@
 #undef thread
 #undef device
 #undef threadgroup
+#include "warp_fibers.h"
 
 #include <algorithm>
 #include <numeric>
@@ -57,26 +58,19 @@ static Experts make(int E, int N, int K, int bits, int group, std::mt19937& g) {
   return w;
 }
 
-// Runs `body(c)` for every warp of a launch of `bx_n` x `by_n` threadgroups of DS_IL_THREADS threads:
-// 32 threads (the lanes) walk the warps in one order, so every shuffle is still met by all 32 lanes.
+// Runs `body(c)` for every warp of a launch of `bx_n` x `by_n` threadgroups of DS_IL_THREADS threads,
+// one warp at a time, its 32 lanes as fibers (warp_fibers.h): every shuffle is met by all 32 lanes.
 template <typename F>
 static void launch(int bx_n, int by_n, F body) {
   const int NT = DS_IL_THREADS, WARPS = NT / 32;
-  std::barrier<> bar(32);
-  g_bar = &bar;
-  std::vector<std::thread> th;
-  for (int lane = 0; lane < 32; ++lane)
-    th.emplace_back([&, lane] {
-      t_tid = lane;
-      for (int by = 0; by < by_n; ++by)
-        for (int bx = 0; bx < bx_n; ++bx)
-          for (int warp = 0; warp < WARPS; ++warp) {
-            ds_ctx c;
-            c.tid = warp * 32 + lane; c.nthreads = NT; c.bx = bx; c.by = by;
-            body(c);
-          }
-    });
-  for (auto& t : th) t.join();
+  for (int by = 0; by < by_n; ++by)
+    for (int bx = 0; bx < bx_n; ++bx)
+      for (int warp = 0; warp < WARPS; ++warp)
+        warp_fibers::run_warp([&](int lane) {
+          ds_ctx c;
+          c.tid = warp * 32 + lane; c.nthreads = NT; c.bx = bx; c.by = by;
+          body(c);
+        });
 }
 
 // The gather body over one or two expert weights of one kind (a, b; b may be null): outputs [P * M * N_g].

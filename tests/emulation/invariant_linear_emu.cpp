@@ -1,6 +1,6 @@
 // Runs the GPU body kernels/gpu/invariant_linear.h on the CPU: the Metal branch of ds_portable.h,
-// one std::thread per lane of a warp, SIMD shuffles through a shared slot array behind a barrier
-// (every shuffle in the body is called by all 32 lanes of a warp). Weights are packed in MLX's
+// one warp at a time, its 32 lanes as fibers (warp_fibers.h; every shuffle in the body is called by all
+// 32 lanes of a warp). Weights are packed in MLX's
 // affine layout here. Checks, for a dense weight and for bits 2, 4, 8 at groups 32, 64, 128:
 // (1) the output against a double-precision product, (2) bitwise width invariance: row i of an
 // M-row call equals the same row alone, for M = 1..17, (3) three weights in one launch give what
@@ -10,6 +10,7 @@
 #undef thread
 #undef device
 #undef threadgroup
+#include "warp_fibers.h"
 
 struct Weights {
   int N, K, bits, group;  // bits 0: dense
@@ -67,33 +68,27 @@ static std::vector<std::vector<float>> run_group(const std::vector<const Weights
   for (int bx = 0; bx < blocks; ++bx)
     for (int warp = 0; warp < COLS; ++warp) {
       if (bx * COLS + warp >= Ntot) continue;  // the body returns whole warps past the columns
-      std::barrier<> bar(32);
-      g_bar = &bar;
-      std::vector<std::thread> th;
-      for (int lane = 0; lane < 32; ++lane)
-        th.emplace_back([&, lane] {
-          t_tid = lane;
-          ds_ctx c;
-          c.tid = warp * 32 + lane; c.nthreads = NT; c.bx = bx; c.by = 0;
+      warp_fibers::run_warp([&](int lane) {
+        ds_ctx c;
+        c.tid = warp * 32 + lane; c.nthreads = NT; c.bx = bx; c.by = 0;
 #define IL_DENSE(GG, HB) ds_il_dense<float, GG, HB>(c, x, W(0)->dense.data(), W(1)->dense.data(), W(2)->dense.data(), \
     B(0), B(1), B(2), O(0), O(1), O(2), M, w.N, N1, N2, w.K)
 #define IL_AFFINE(BB, GG, HB) ds_il_affine<float, BB, GG, HB>(c, x, \
     W(0)->packed.data(), W(0)->scales.data(), W(0)->biases.data(), W(1)->packed.data(), W(1)->scales.data(), \
     W(1)->biases.data(), W(2)->packed.data(), W(2)->scales.data(), W(2)->biases.data(), B(0), B(1), B(2), \
     O(0), O(1), O(2), M, w.N, N1, N2, w.K, w.group)
-          if (!w.bits) {
-            if (G == 1 && hb == 1) IL_DENSE(1, 1);
-            else if (G == 1) IL_DENSE(1, 0);
-            else IL_DENSE(3, 5);  // the group check: biases on weights 0 and 2
-          } else if (w.bits == 2) {
-            if (G == 1) IL_AFFINE(2, 1, 0); else IL_AFFINE(2, 3, 5);
-          } else if (w.bits == 4) {
-            if (G == 1 && hb == 1) IL_AFFINE(4, 1, 1); else if (G == 1) IL_AFFINE(4, 1, 0); else IL_AFFINE(4, 3, 5);
-          } else {
-            if (G == 1) IL_AFFINE(8, 1, 0); else IL_AFFINE(8, 3, 5);
-          }
-        });
-      for (auto& t : th) t.join();
+        if (!w.bits) {
+          if (G == 1 && hb == 1) IL_DENSE(1, 1);
+          else if (G == 1) IL_DENSE(1, 0);
+          else IL_DENSE(3, 5);  // the group check: biases on weights 0 and 2
+        } else if (w.bits == 2) {
+          if (G == 1) IL_AFFINE(2, 1, 0); else IL_AFFINE(2, 3, 5);
+        } else if (w.bits == 4) {
+          if (G == 1 && hb == 1) IL_AFFINE(4, 1, 1); else if (G == 1) IL_AFFINE(4, 1, 0); else IL_AFFINE(4, 3, 5);
+        } else {
+          if (G == 1) IL_AFFINE(8, 1, 0); else IL_AFFINE(8, 3, 5);
+        }
+      });
     }
   out.resize(G);
   return out;
