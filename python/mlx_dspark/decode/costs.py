@@ -14,6 +14,14 @@ draft vocabulary). A change in any of them measures again.
 `MLX_DSPARK_CALIBRATION`: auto (default: read from disk, else measure and store) | refresh
 (measure again, store) | off (no measurement: callers fall back to the fixed rules).
 
+A curve measured while something else ran would be kept, and steer `--mode auto`, until the key
+changes. So a measurement says whether it settled: other processes used at most OTHERS_MAX of
+the machine's CPU capacity meanwhile (machine.OthersShare). One that did not is used, stored as
+unsettled, and measured again at the next start, each point kept at the faster of the two (a busy
+spell only ever slows a measurement down), at most MEASURES_MAX times in all. (The spread of a
+width's own samples is no such signal: on the project's quiet 2-core VM a width's two fastest of
+three differ by up to 30%.)
+
 Measurement (on a CPU the smaller of wall and CPU time: see `_Clock`): a context of CONTEXT tokens
 is prefilled once; each width w of `WIDTHS` is then fed
 on top of it and trimmed away (the minimum over a few calls: the machine may be shared). Widths
@@ -46,6 +54,8 @@ BUDGET_S = 4.0
 LINEAR = 0.85
 MIN_SLOPE = 0.04  # extrapolation floor, x t(1) per extra token (float32 SmolLM2, OpenBLAS: ~0.05)
 PLAIN_STEPS = 6  # pipelined plain steps per timing
+OTHERS_MAX = 0.25  # of the machine's CPU capacity, what other processes may use while it measures
+MEASURES_MAX = 3  # an unsettled curve is measured again at the next start, this many times in all
 
 
 @dataclass
@@ -59,6 +69,9 @@ class Costs:
     measured_s: float = 0.0
     origin: str = "measured"  # "measured" | "disk" | "given"
     t_plain: float | None = None  # one pipelined plain step (None: taken as t_verify(1))
+    settled: bool = True  # other processes left the machine alone while it measured (module docstring)
+    others_share: float | None = None  # of the CPU capacity, what other processes used meanwhile
+    measures: int = 1  # measurements merged into this curve
 
     def verify(self, w: int) -> float:
         """t_verify(w): measured points made non-decreasing (a wider verify never costs less),
@@ -89,7 +102,11 @@ class Costs:
         curve = ", ".join(f"w{w} {t / ws[0][1]:.2f}x" for w, t in ws[1:])
         draft = f"; drafter pass {self.t_draft * 1000:.1f} ms" if self.t_draft is not None else ""
         plain = f"; plain step {self.t_plain * 1000:.1f} ms pipelined" if self.t_plain else ""
-        return f"verify w1 {ws[0][1] * 1000:.1f} ms, {curve}{draft}{plain} ({self.origin})"
+        origin = self.origin
+        if not self.settled:
+            again = "measured again at the next start" if self.measures < MEASURES_MAX else "kept"
+            origin += f", unsettled after {self.measures} measurement(s): {again}"
+        return f"verify w1 {ws[0][1] * 1000:.1f} ms, {curve}{draft}{plain} ({origin})"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -174,7 +191,9 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
     minimum; a sweep that would overrun the budget stops after its narrow widths (those a drafter's
     round verifies), so they get the most samples. Interleaving the widths in every sweep makes a
     busy machine slow them all alike, so their ratios, which decide the policy, stay sound."""
-    t_start = time.perf_counter()
+    from ..machine import OthersShare
+
+    t_start, others = time.perf_counter(), OthersShare()
     taps = tuple(drafter.taps) if drafter is not None else ()
     vocab = max(2, min(int(target.vocab_size), 32000))
     ctx = [(17 + 7919 * i) % (vocab - 1) + 1 for i in range(context)]
@@ -249,6 +268,7 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
     if draft is not None and draft.best == float("inf"):
         draft.time()
     widths = sorted(best)
+    share = others.share()
     return Costs(
         widths,
         [best[w] for w in widths],
@@ -256,6 +276,30 @@ def measure(target, drafter=None, *, budget_s: float = BUDGET_S, context: int = 
         key_for(target, drafter),
         round(spent(), 3),
         t_plain=t_plain,
+        settled=share is None or share <= OTHERS_MAX,
+        others_share=None if share is None else round(share, 3),
+    )
+
+
+def merged(old: Costs, new: Costs) -> Costs:
+    """A new measurement of `old`'s key with each point at the faster of the two: a busy spell
+    only ever slows a measurement down. Settled when the new one is."""
+
+    def faster(a, b):
+        return b if a is None else a if b is None else min(a, b)
+
+    before = dict(zip(old.widths, old.t_verify))
+    return Costs(
+        list(new.widths),
+        [min(t, before.get(w, t)) for w, t in zip(new.widths, new.t_verify)],
+        faster(new.t_draft, old.t_draft),
+        new.key,
+        round(old.measured_s + new.measured_s, 3),
+        "measured",
+        faster(new.t_plain, old.t_plain),
+        settled=new.settled,
+        others_share=new.others_share,
+        measures=old.measures + 1,
     )
 
 
@@ -296,6 +340,8 @@ def load_cached(key: dict) -> Costs | None:
     data = read_fact("calibration", key)
     try:
         c = Costs(**{k: data[k] for k in ("widths", "t_verify", "t_draft", "measured_s", "t_plain")}, key=key)
+        c.settled, c.measures = bool(data.get("settled", True)), int(data.get("measures", 1))
+        c.others_share = data.get("others_share")
     except (KeyError, TypeError):  # nothing stored (None), or another layout
         return None
     c.origin = "disk"
@@ -314,7 +360,8 @@ _memo: dict[str, Costs] = {}  # the key, as JSON -> its curves
 
 def costs_for(target, drafter=None) -> Costs | None:
     """The cost curves for this target (and drafter) on this machine: memoized per process, read
-    from disk, else measured and stored. None when MLX_DSPARK_CALIBRATION=off."""
+    from disk (measured again and merged while unsettled), else measured and stored. None when
+    MLX_DSPARK_CALIBRATION=off."""
     m = mode()
     if m == "off":
         return None
@@ -325,6 +372,9 @@ def costs_for(target, drafter=None) -> Costs | None:
     c = load_cached(key) if m == "auto" else None
     if c is None:
         c = measure(target, drafter)
+        store(c)
+    elif not c.settled and c.measures < MEASURES_MAX:  # measured on a busy machine: again, merged
+        c = merged(c, measure(target, drafter))
         store(c)
     _memo[memo] = c
     return c
