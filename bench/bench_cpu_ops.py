@@ -4,7 +4,9 @@
 
 csrc/draft_ops.cpp (a drafter pass: attention, SiLU-and-multiply, RMS norm, the Markov chain),
 csrc/draft_linear.cpp (a drafter pass's products from float16 panels) and
-csrc/invariant_attention.cpp (every decode forward's attention) on the demo pair's shapes: the
+csrc/invariant_attention.cpp (every decode forward's attention) and csrc/target_rope.cpp with the
+target's RMS norms (kernels/target_ops.py: every decode forward's 60 RoPEs and 61 norms) on the
+demo pair's shapes: the
 drafter's 9 / 3 heads of 64, block 7, hidden 1024, draft vocabulary 16185, Markov rank 48; the
 target's 9 / 3 heads of 64. Each line: the median of `--reps` synchronised calls (one op, then
 mx.eval), the reference's first. The invariant attention is also timed against the path it
@@ -27,7 +29,7 @@ from bench_kernels import time_sync
 
 from mlx_dspark import benchmark as bm
 from mlx_dspark.blas import active_blas
-from mlx_dspark.kernels import draft_linear, draft_ops, invariant, native
+from mlx_dspark.kernels import draft_linear, draft_ops, invariant, native, target_ops
 
 
 def row(name: str, ref: float, got: float, same: str) -> str:
@@ -86,6 +88,52 @@ def draft_lines(ext, reps: int, keys: int) -> list[str]:
     out = []
     for name, ref, fused, check in cases:
         out.append(row(name, time_sync(ref, reps), time_sync(fused, reps), check(ref(), fused())))
+    return out
+
+
+def target_lines(ext, reps: int, width: int) -> list[str]:
+    """A decode forward's RoPEs (queries [1, 9, w, 64] and keys [1, 3, w, 64] in 30 layers) and RMS
+    norms (61 of [1, w, 576]) in one eval each: the pure-MLX reference, MLX's op (its CPU fallback:
+    what the native op replaces; given a stream, so never routed) and the native op."""
+    q = mx.random.normal((30, 1, 9, width, 64), key=mx.random.key(20))
+    k = mx.random.normal((30, 1, 3, width, 64), key=mx.random.key(21))
+    x = mx.random.normal((61, 1, width, 576), key=mx.random.key(22))
+    w = mx.random.uniform(0.5, 1.5, (576,), key=mx.random.key(23))
+    mx.eval(q, k, x, w)
+    kw = dict(traditional=False, base=100000.0, scale=1.0, offset=300)
+
+    def ropes(fn):
+        return lambda: [fn(a[i], 64) for a in (q, k) for i in range(30)]
+
+    def norms(fn):
+        return lambda: [fn(x[i]) for i in range(61)]
+
+    cases = [
+        (
+            f"60 RoPEs, width {width}",
+            ropes(lambda a, d: target_ops.rope_reference(a, d, **kw)),
+            ropes(lambda a, d: mx.fast.rope(a, d, stream=mx.cpu, **kw)),
+            ropes(
+                lambda a, d: ext.rope(
+                    a, mx.array(300, mx.int32), dims=d, **{k: v for k, v in kw.items() if k != "offset"}
+                )
+            ),
+        ),
+        (
+            f"61 RMS norms, width {width}",
+            norms(lambda a: target_ops.rms_norm_reference(a, w, 1e-5)),
+            norms(lambda a: mx.fast.rms_norm(a, w, 1e-5, stream=mx.cpu)),
+            norms(lambda a: ext.rms_norm(a, w, eps=1e-5)),
+        ),
+    ]
+    out = []
+    for name, ref, mlx, got in cases:
+        t_ref, t_mlx, t_got = (time_sync(f, reps) for f in (ref, mlx, got))
+        diff = max(mx.abs(a - b).max().item() for a, b in zip(mlx(), got()))
+        out.append(
+            f"| {name} | {t_ref * 1e6:.1f} | {t_mlx * 1e6:.1f} | {t_got * 1e6:.1f} | {t_ref / t_got:.2f}x | "
+            f"{t_mlx / t_got:.2f}x | {diff:.1e} |"
+        )
     return out
 
 
@@ -189,6 +237,14 @@ def main() -> int:
         "| products | MLX matmul µs | float32 row kernel µs | float16 panels µs | vs MLX | vs row kernel | max diff |",
         "|---|---:|---:|---:|---:|---:|---:|",
         *linear_lines(ext, args.reps),
+        "",
+        "A target's decode forward on the CPU: its RoPEs and RMS norms, each in one eval (max diff: the native "
+        "op against MLX's; the RoPE angles are taken in double precision).",
+        "",
+        "| ops | reference µs | MLX op µs | native µs | vs reference | vs MLX | max diff |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *target_lines(ext, args.reps, 1),
+        *target_lines(ext, args.reps, 3),
         "",
     ]
     bm.emit("\n".join(lines), args.out)

@@ -55,6 +55,9 @@ NB_MODULE(_ext, m) {
   m.def("rms_norm", &dspark::draft_rms_norm, "x"_a, "weight"_a.none(), nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(),
         "RMS norm over the last axis on the CPU (float32; weight or none); see mlx_dspark.kernels.draft_ops.");
+  m.def("rope", &dspark::target_rope, "x"_a, "offset"_a, nb::kw_only(), "dims"_a, "traditional"_a, "base"_a,
+        "scale"_a, "stream"_a = nb::none(),
+        "A target's RoPE on the CPU (float32), as mx.fast.rope with a base; see mlx_dspark.kernels.target_ops.");
   m.def("markov_greedy", &dspark::markov_greedy, "logits"_a, "w1"_a, "w2"_a, "vocab_ids"_a.none(), "anchor"_a,
         nb::kw_only(), "stream"_a = nb::none(),
         "The Markov head's greedy chain on the CPU: tokens [k] int32; see mlx_dspark.kernels.draft_ops.");

@@ -167,6 +167,30 @@ class DraftRmsNorm : public mx::Primitive {
   bool has_weight_;
 };
 
+// RoPE of a target's queries or keys on the CPU (float32), as mx.fast.rope with a base: x [..., L, D],
+// offset int32 [] or [x.shape(0)]; row l of batch b at position offset[b] + l, its first `dims` features
+// rotated (pairs (i, i + dims/2), or (2i, 2i + 1) when traditional) by (position * scale) * base^(-2i/dims).
+mx::array target_rope(const mx::array& x, const mx::array& offset, int dims, bool traditional, float base,
+                      float scale, mx::StreamOrDevice s = {});
+
+class TargetRope : public mx::Primitive {
+ public:
+  TargetRope(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override { return "DsparkTargetRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const TargetRope&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+};
+
 class MarkovGreedy : public mx::Primitive {
  public:
   MarkovGreedy(mx::Stream stream, bool has_ids) : mx::Primitive(stream), has_ids_(has_ids) {}

@@ -126,6 +126,45 @@ def route_causal_attention_to_invariant_op() -> None:
     mx.fast.scaled_dot_product_attention = scaled_dot_product_attention
 
 
+_norm_rope_originals: tuple | None = None
+
+
+def route_target_norm_and_rope() -> None:
+    """mlx-lm (0.32.x) layers call mx.fast.rope (nn.RoPE) and mx.fast.rms_norm (nn.RMSNorm and the
+    families' own norms) by attribute at call time; MLX's CPU build (0.32.x) runs both as
+    fallbacks of ~29 and ~7 ops. Wrap the two attributes once so that, while
+    kernels.invariant.active() is on in the calling thread (the target's decode forward), a float32
+    call on the CPU runs the native op instead (kernels/target_ops.py); every other call, and what
+    the op does not express (RoPE freqs, other dtypes, a stream), goes to MLX's own."""
+    global _norm_rope_originals
+    import mlx.core as mx
+
+    if _norm_rope_originals is not None:
+        return
+    from .kernels import invariant, target_ops
+
+    rope_original, norm_original = mx.fast.rope, mx.fast.rms_norm
+
+    def rope(a, dims, *, traditional, base, scale, offset, freqs=None, stream=None):
+        if stream is None and invariant.is_active():
+            y = target_ops.rope(a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs)
+            if y is not None:
+                return y
+        return rope_original(
+            a, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs, stream=stream
+        )
+
+    def rms_norm(x, weight, eps, *, stream=None):
+        if stream is None and invariant.is_active():
+            y = target_ops.rms_norm(x, weight, eps)
+            if y is not None:
+                return y
+        return norm_original(x, weight, eps, stream=stream)
+
+    _norm_rope_originals = (rope_original, norm_original)
+    mx.fast.rope, mx.fast.rms_norm = rope, rms_norm
+
+
 _linear_originals: dict | None = None
 OWN_PRODUCT = "_mlx_dspark_own_product"  # instance attribute: (layer, x, ...) -> y, set by checked_qmm
 

@@ -128,6 +128,14 @@ def _kernels_hash() -> str | None:
     return getattr(ext, "source_hash", None) if ext is not None else None
 
 
+def _target_ops() -> bool | None:
+    if mx.default_device() != mx.cpu:
+        return None
+    from ..kernels import target_ops
+
+    return target_ops.enabled()
+
+
 def key_for(target, drafter=None) -> dict:
     from .._version import __version__
     from ..blas import active_blas
@@ -145,6 +153,7 @@ def key_for(target, drafter=None) -> dict:
         "decode_path": path_of(target),
         "kernels": _kernels_hash(),  # a rebuilt extension (other native kernels) measures again
         "compiled": getattr(target, "compiled_decode", None) is not None,  # models/compiled_decode.py
+        "target_ops": _target_ops(),  # kernels/target_ops.py: the CPU's RoPE and norms, native or MLX's
         "target": {
             "source": str(target.source or target.name),
             "layers": len(target.layers),

@@ -178,12 +178,22 @@ def kernel_paths() -> dict:
         "decode_attention": attention,
         "draft_ops": f"native-cpu ({ext.draft_ops_isa()})" if cpu_native else "MLX's ops",
         "draft_products": _draft_products(ext) if cpu_native else "MLX's matmul",
+        "target_rope_norms": _target_ops(ext) if cpu_native else "MLX's ops",
         "wide_gemm": (
             f"on (>= {wg['min_rows']} rows, {wg['compute']} GEMM): {wg['why']}"
             if wg["enabled"]
             else f"off: {wg['why']}"
         ),
     }
+
+
+def _target_ops(ext) -> str:
+    """What a target's decode forward on the CPU runs for RoPE and RMS norms (kernels/target_ops.py)."""
+    from . import target_ops
+
+    if not hasattr(ext, "rope"):
+        return "MLX's ops (the extension predates the native RoPE)"
+    return "native-cpu (float32)" if target_ops.enabled() else "MLX's ops (MLX_DSPARK_TARGET_OPS=off)"
 
 
 def _draft_products(ext) -> str:

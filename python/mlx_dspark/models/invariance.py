@@ -346,11 +346,16 @@ def _disable(target) -> None:
 
 
 def _enable_kernels(target) -> None:
-    from ..compat import route_causal_attention_to_invariant_op, route_linears_to_invariant_op
+    from ..compat import (
+        route_causal_attention_to_invariant_op,
+        route_linears_to_invariant_op,
+        route_target_norm_and_rope,
+    )
     from ..kernels import invariant_linear
 
     route_causal_attention_to_invariant_op()
     route_linears_to_invariant_op()
+    route_target_norm_and_rope()  # the CPU's decode forward: RoPE and RMS norms as one op each
     invariant_linear.group_siblings(target.model)  # q/k/v and gate/up: one launch each on a GPU
     target.invariant_kernels = True
     compiled_decode.attach(target)
