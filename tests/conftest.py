@@ -86,3 +86,16 @@ def ext():
             "build it: pip install --no-build-isolation -e .  (or pip install .)"
         )
     return mod
+
+
+@pytest.fixture
+def calibration_dir(tmp_path, monkeypatch):
+    """A fresh cache for the cost curves (decode/costs.py): measured on first use, nothing memoized;
+    yields the folder they are stored in."""
+    from mlx_dspark.decode import costs
+
+    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLX_DSPARK_CALIBRATION", "auto")
+    costs._memo.clear()
+    yield tmp_path / "cache" / "calibration"
+    costs._memo.clear()

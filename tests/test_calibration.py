@@ -17,15 +17,6 @@ from mlx_dspark.decode import costs as cost_curves
 from mlx_dspark.decode.costs import Costs
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("MLX_DSPARK_CALIBRATION", "auto")
-    cost_curves._memo.clear()
-    yield tmp_path / "cache" / "calibration"
-    cost_curves._memo.clear()
-
-
 def test_a_merge_keeps_each_point_at_the_faster_measurement():
     old = Costs([1, 2, 4], [0.010, 0.030, 0.020], t_draft=0.004, t_plain=0.011, settled=False, measured_s=3.0)
     new = Costs([1, 2, 4, 8], [0.012, 0.012, 0.014, 0.018], t_draft=0.005, t_plain=0.009, measured_s=2.5)
@@ -63,7 +54,7 @@ def test_others_share_falls_back_to_the_load_average_without_proc_stat(monkeypat
     assert meter.share() == 0.0
 
 
-def test_an_unsettled_calibration_is_measured_again_at_each_start_until_it_settles_or_runs_out(cache_dir, monkeypatch):
+def test_an_unsettled_calibration_is_measured_again_until_it_settles_or_runs_out(calibration_dir, monkeypatch):
     """A busy machine (other processes took 90% of it): the curve serves this process, is stored as
     unsettled, and the next start measures again and keeps each point at the faster of the two;
     after MEASURES_MAX measurements the stored curve is used as it is. A quiet start settles it."""
@@ -74,7 +65,7 @@ def test_an_unsettled_calibration_is_measured_again_at_each_start_until_it_settl
     first = cost_curves.costs_for(tgt)
     assert first.origin == "measured" and not first.settled and first.others_share == 0.9
     assert "unsettled after 1 measurement(s): measured again at the next start" in first.summary()
-    (file,) = cache_dir.glob("*.json")
+    (file,) = calibration_dir.glob("*.json")
     assert json.loads(file.read_text())["value"]["settled"] is False
     seen = [first]
     for n in range(2, cost_curves.MEASURES_MAX + 1):

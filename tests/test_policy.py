@@ -257,16 +257,7 @@ def test_fixed_policy_sizes_a_drafters_lookup_drafts_as_lookup_mode_does():
     assert p.length("lookup", 32, 40, depth=12) == 24
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLX_DSPARK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("MLX_DSPARK_CALIBRATION", "auto")
-    cost_curves._memo.clear()
-    yield tmp_path / "cache" / "calibration"
-    cost_curves._memo.clear()
-
-
-def test_calibration_is_measured_once_stored_and_remeasured_when_the_key_changes(cache_dir, monkeypatch):
+def test_calibration_is_measured_once_stored_and_remeasured_when_the_key_changes(calibration_dir, monkeypatch):
     monkeypatch.setattr("mlx_dspark.machine.OthersShare.share", lambda self: 0.0)  # quiet (test_calibration.py)
     ws = workspace()
     tgt, _ = target(ws["target_qwen3"])
@@ -274,7 +265,7 @@ def test_calibration_is_measured_once_stored_and_remeasured_when_the_key_changes
     assert c.origin == "measured" and c.measured_s <= cost_curves.BUDGET_S + 1
     assert c.widths[:2] == [1, 2] and all(t > 0 for t in c.t_verify)
     assert c.t_plain > 0 and c.plain == min(c.t_plain, c.verify(1))  # pipelined plain steps, measured
-    files = list(cache_dir.glob("*.json"))
+    files = list(calibration_dir.glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["key"]["mlx"]
     cost_curves._memo.clear()
     again = cost_curves.costs_for(tgt)
@@ -282,7 +273,7 @@ def test_calibration_is_measured_once_stored_and_remeasured_when_the_key_changes
     cost_curves._memo.clear()
     monkeypatch.setattr("mlx_dspark.blas.active_blas", lambda: {"name": "other-blas", "path": None, "fast": True})
     third = cost_curves.costs_for(tgt)  # another BLAS: measured again, stored beside the first
-    assert third.origin == "measured" and len(list(cache_dir.glob("*.json"))) == 2
+    assert third.origin == "measured" and len(list(calibration_dir.glob("*.json"))) == 2
 
 
 def test_plain_rate_is_the_pipelined_step_where_it_is_cheaper_than_a_synced_forward():
@@ -300,7 +291,7 @@ def test_plain_rate_is_the_pipelined_step_where_it_is_cheaper_than_a_synced_forw
     assert s1.length("drafter", 8, 200) > 0 and s2.length("drafter", 8, 200) == 0
 
 
-def test_calibration_off_keeps_the_fixed_rules(cache_dir, monkeypatch):
+def test_calibration_off_keeps_the_fixed_rules(calibration_dir, monkeypatch):
     monkeypatch.setenv("MLX_DSPARK_CALIBRATION", "off")
     ws = workspace()
     tgt, tok = target(ws["target_qwen3"])
@@ -308,7 +299,7 @@ def test_calibration_off_keeps_the_fixed_rules(cache_dir, monkeypatch):
     res = generate(
         tgt, tok, None, prompt_ids=[5, 6, 7, 5, 6, 7, 5, 6], mode="lookup", max_new_tokens=12, max_draft="auto"
     )
-    assert "policy" not in res.stats and not cache_dir.exists()
+    assert "policy" not in res.stats and not calibration_dir.exists()
 
 
 @pytest.mark.parametrize("costs", [FLAT, LINEAR], ids=["flat", "linear"])
