@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -216,6 +217,52 @@ inline void begin(const mx::Stream& stream, const std::vector<mx::array>& inputs
   auto& enc = mx::cpu::get_command_encoder(stream);
   for (const auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(out);
+}
+
+// An input that may not be row-contiguous, read inside a dispatched task: its elements in row order,
+// from its own memory where they already lie so, else copied once through its strides. Taking
+// strided inputs this way saves a graph node (mx::contiguous) per call.
+struct RowOrder {
+  const char* base;
+  size_t itemsize, size;
+  bool contiguous;
+  std::vector<int> shape;
+  std::vector<int64_t> strides;
+
+  explicit RowOrder(const mx::array& a)
+      : base(a.data<char>()), itemsize(a.itemsize()), size(a.size()), contiguous(a.flags().row_contiguous),
+        shape(a.shape().begin(), a.shape().end()), strides(a.strides().begin(), a.strides().end()) {}
+
+  // The elements in row order: `base` itself, or `buf` filled (runs of the last axis at once).
+  const void* get(std::vector<char>& buf) const {
+    if (contiguous || size == 0) return base;
+    buf.resize(size * itemsize);
+    const int nd = static_cast<int>(shape.size());
+    const int64_t last = nd ? shape[nd - 1] : 1, step = nd ? strides[nd - 1] : 1;
+    std::vector<int> idx(nd > 0 ? nd - 1 : 0, 0);
+    char* out = buf.data();
+    for (size_t done = 0; done < size; done += last) {
+      int64_t off = 0;
+      for (int d = 0; d + 1 < nd; ++d) off += idx[d] * strides[d];
+      const char* src = base + off * static_cast<int64_t>(itemsize);
+      if (step == 1) {
+        std::memcpy(out, src, last * itemsize);
+      } else {
+        for (int64_t j = 0; j < last; ++j) std::memcpy(out + j * itemsize, src + j * step * itemsize, itemsize);
+      }
+      out += last * itemsize;
+      for (int d = nd - 2; d >= 0; --d) {  // the next row's index
+        if (++idx[d] < shape[d]) break;
+        idx[d] = 0;
+      }
+    }
+    return buf.data();
+  }
+};
+
+// `a` itself where it is evaluated and row-contiguous (weights, biases), else mx::contiguous(a).
+inline mx::array as_contiguous(const mx::array& a, const mx::Stream& st) {
+  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, st);
 }
 
 }  // namespace dspark::cpu

@@ -27,6 +27,7 @@
 
 #include "dspark.h"
 #include "cpu_pool.h"
+#include "cpu_vec.h"
 #include "invariant_linear_tiles.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -253,8 +254,8 @@ mx::array invariant_linear(const mx::array& x, const mx::array& weight, const st
                            const std::string& kernel, mx::StreamOrDevice s) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("[dspark.invariant_linear] " + what); };
   if (kernel != "tiled" && kernel != "rows") fail("kernel must be 'tiled' or 'rows', not '" + kernel + "'");
-  if (x.ndim() != 2 || weight.ndim() != 2) fail("x must be [M, K] and weight [N, K]");
-  const int M = x.shape(0), K = x.shape(1), N = weight.shape(0);
+  if (x.ndim() < 2 || weight.ndim() != 2) fail("x must be [..., M, K] and weight [N, K]");
+  const int K = x.shape(-1), N = weight.shape(0);
   if (weight.shape(1) != K) {
     std::ostringstream msg;
     msg << "x has K = " << K << " but weight is [" << N << ", " << weight.shape(1) << "]";
@@ -266,9 +267,15 @@ mx::array invariant_linear(const mx::array& x, const mx::array& weight, const st
   if (bias && (bias->ndim() != 1 || bias->shape(0) != N)) fail("bias must be [N]");
   auto st = mx::to_stream(s);
   if (st.device != mx::Device::cpu) fail("runs on the CPU (GPUs use kernels/invariant_linear.py's GPU instance)");
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, st), mx::contiguous(weight, false, st)};
-  if (bias) inputs.push_back(mx::contiguous(mx::astype(*bias, dt, st), false, st));
-  return mx::array({M, N}, dt, std::make_shared<InvariantLinear>(st, bias.has_value(), kernel == "rows" ? kKernelRows : kKernelTiled), inputs);
+  // x as it comes (eval reads a strided one through cpu::RowOrder); weight and bias as they are
+  // where already evaluated and contiguous: no graph node beyond the product's own.
+  std::vector<mx::array> inputs = {x, cpu::as_contiguous(weight, st)};
+  if (bias) inputs.push_back(cpu::as_contiguous(bias->dtype() == dt ? *bias : mx::astype(*bias, dt, st), st));
+  auto shape = x.shape();
+  shape.back() = N;
+  return mx::array(std::move(shape), dt,
+                   std::make_shared<InvariantLinear>(st, bias.has_value(), kernel == "rows" ? kKernelRows : kKernelTiled),
+                   inputs);
 }
 
 void InvariantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -279,10 +286,12 @@ void InvariantLinear::eval_cpu(const std::vector<mx::array>& inputs, std::vector
   auto& enc = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) enc.set_input_array(a);
   enc.set_output_array(y);
-  const int M = x.shape(0), K = x.shape(1), N = w.shape(0);
+  const int K = x.shape(-1), N = w.shape(0), M = static_cast<int>(x.size() / K);
   const void* b = has_bias_ ? inputs[2].data<void>() : nullptr;
-  enc.dispatch([xp = x.data<void>(), wp = w.data<void>(), b, yp = y.data<void>(), dt = x.dtype(), M, N, K,
+  enc.dispatch([xr = cpu::RowOrder(x), wp = w.data<void>(), b, yp = y.data<void>(), dt = x.dtype(), M, N, K,
                 kernel = kernel_]() {
+    std::vector<char> xbuf;
+    const void* xp = xr.get(xbuf);
     if (dt == mx::float32) {
       linear_cpu<float>(kernel, xp, wp, b, yp, M, N, K);
     } else if (dt == mx::float16) {

@@ -33,8 +33,11 @@ mx::array target_rope(const mx::array& x, const mx::array& offset, int dims, boo
       (per_row && (x.ndim() < 3 || offset.size() != static_cast<size_t>(x.shape(0)))))
     fail(op, "offset must be a scalar or one position per batch row of x ([x.shape(0)])");
   if (!mx::issubdtype(offset.dtype(), mx::integer)) fail(op, "offset must be an integer array");
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, st),
-                                   mx::contiguous(mx::astype(mx::reshape(offset, {-1}, st), mx::int32, st), false, st)};
+  // x as it comes (a transposed view, from mlx-lm: eval reads it through cpu::RowOrder), the offset
+  // as it is where already int32: no graph node beyond the op's own.
+  std::vector<mx::array> inputs = {x, cpu::as_contiguous(offset.dtype() == mx::int32 ? offset
+                                                                                    : mx::astype(offset, mx::int32, st),
+                                                         st)};
   return mx::array(x.shape(), mx::float32, std::make_shared<TargetRope>(st, dims, traditional, base, scale), inputs);
 }
 
@@ -46,8 +49,10 @@ void TargetRope::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
   const int64_t rows = static_cast<int64_t>(x.size() / D);
   const int nb = static_cast<int>(inputs[1].size());
   mx::cpu::get_command_encoder(stream()).dispatch(
-      [xp = x.data<float>(), offp = inputs[1].data<int32_t>(), y = out.data<float>(), D, L, rows, nb, dims = dims_,
+      [xr = RowOrder(x), offp = inputs[1].data<int32_t>(), y = out.data<float>(), D, L, rows, nb, dims = dims_,
        trad = traditional_, base = base_, scale = scale_]() {
+        std::vector<char> xbuf;
+        const float* xp = static_cast<const float*>(xr.get(xbuf));
         const int half = dims / 2;
         const int64_t per_batch = rows / nb;  // rows of one batch row's offset (all of them for a scalar)
         // cos / sin per (offset, position, pair), once per call.

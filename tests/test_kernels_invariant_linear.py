@@ -102,6 +102,40 @@ def test_native_cpu_matches_the_reference_and_is_invariant(dtype, with_bias):
         assert_rows_invariant(lambda r: ext.invariant_linear(r, w, b), x, f"native {dtype}")
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_native_cpu_takes_leading_axes_and_strided_inputs_as_they_come(dtype):
+    """[..., M, K] in, [..., M, N] out, and an x that is a transposed view or a weight that is not
+    contiguous give, bitwise, what the contiguous 2-D call gives (the op reads them through
+    cpu::RowOrder instead of a contiguous node)."""
+    ext = native.ext(warn=False)
+    K, N = 72, 23
+    w = rand((N, K), dtype, 12, 0.05)
+    b = rand((N,), dtype, 13)
+    x = rand((2, 5, 3, K), dtype, 14).transpose(0, 2, 1, 3)  # [2, 3, 5, K], not row-contiguous
+    with mx.stream(mx.cpu):
+        flat = ext.invariant_linear(mx.contiguous(x).reshape(-1, K), w, b)
+        got = ext.invariant_linear(x, w, b)
+        assert got.shape == (2, 3, 5, N) and mx.array_equal(got.reshape(-1, N), flat).item()
+        wt = rand((K, N), dtype, 15, 0.05).T  # a column-major weight: made contiguous by the op
+        assert mx.array_equal(
+            ext.invariant_linear(x, wt, None), ext.invariant_linear(x, mx.contiguous(wt), None)
+        ).item()
+        mx.eval(x, w, b)  # evaluated inputs, as a layer's weight is: the product is the graph's one node
+        assert _graph_nodes(lambda: ext.invariant_linear(x, w, b)) == 1
+
+
+def _graph_nodes(make) -> int:
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "g.dot")
+        mx.export_to_dot(path, make())
+        with open(path) as f:
+            return f.read().count("label")
+
+
 # odd shapes: K below one 8-lane step, K with a 1..7 tail, N of 1 and N not a multiple of the
 # tile's weight rows; widths past one row tile and past MAX_M (33 = 11 tiles of 3, 32 and 34: the
 # 2- and 1-row remainder tiles after full ones)

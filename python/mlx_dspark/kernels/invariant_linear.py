@@ -475,8 +475,12 @@ def _dense_plan(weight: mx.array, bias, path: str):
     if path == "native":
         fn = _native.ext(warn=False).invariant_linear
 
-        def product(x2):
-            return fn(x2, weight, bias)
+        def plan(x):  # the op takes [..., K] as it comes: no reshape nodes around it
+            if x.dtype != dt or x.shape[-1] != K or x.size == 0 or x.ndim < 2:
+                return None
+            return fn(x, weight, bias)
+
+        return plan
     else:
 
         def one(r):
