@@ -26,7 +26,7 @@ NB_MODULE(_ext, m) {
   m.attr("source_hash") = DSPARK_SOURCE_HASH;
   m.attr("primitives") = nb::make_tuple("DsparkGreedyAccept", "DsparkSamplingAccept", "DsparkInvariantLinear",
                                   "DsparkDraftAttention", "DsparkDraftLinear", "DsparkRmsNorm", "DsparkSiluMul",
-                                  "DsparkMarkovGreedy",
+                                  "DsparkMarkovGreedy", "DsparkTargetRope",
                                   "DsparkInvariantAttention");
 
   m.def("greedy_accept", &dspark::greedy_accept, "logits"_a, "draft"_a, nb::kw_only(),

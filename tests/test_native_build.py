@@ -47,6 +47,7 @@ def test_extension_matches_mlx(ext):
         "DsparkRmsNorm",
         "DsparkSiluMul",
         "DsparkMarkovGreedy",
+        "DsparkTargetRope",
     }
     assert status["kernels"]["greedy_accept"] == "native-cpu"
 

@@ -126,9 +126,12 @@ def test_the_targets_decode_forward_takes_the_ops_and_stays_equal_to_baseline(mo
     assert look.tokens == base.tokens and look.text == base.text
 
 
-@pytest.mark.parametrize("env", [("MLX_DSPARK_KERNELS", "reference"), ("MLX_DSPARK_TARGET_OPS", "off")])
-def test_reference_kernels_or_the_switch_keep_mlxs_ops(monkeypatch, env):
-    monkeypatch.setenv(*env)
+@pytest.mark.parametrize("switch", ["MLX_DSPARK_KERNELS=reference", "MLX_DSPARK_TARGET_OPS=off"])
+def test_reference_kernels_or_the_switch_keep_mlxs_ops(monkeypatch, switch):
+    if switch.startswith("MLX_DSPARK_KERNELS"):
+        monkeypatch.setenv("MLX_DSPARK_KERNELS", "reference")
+    else:
+        monkeypatch.setattr(target_ops, "_ENABLED", False)  # the variable as read at import
     assert target_ops.rope(mx.ones((1, 1, 2, 8)), 8, traditional=False, base=1e4, scale=1.0, offset=0) is None
     assert target_ops.rms_norm(mx.ones((2, 8)), None, 1e-5) is None
 
@@ -137,5 +140,5 @@ def test_doctor_says_which_ops_the_targets_rope_and_norms_run(monkeypatch):
     from mlx_dspark.kernels import kernel_paths
 
     assert kernel_paths()["target_rope_norms"] == "native-cpu (float32)"
-    monkeypatch.setenv("MLX_DSPARK_TARGET_OPS", "off")
+    monkeypatch.setattr(target_ops, "_ENABLED", False)  # MLX_DSPARK_TARGET_OPS=off at import
     assert "MLX_DSPARK_TARGET_OPS=off" in kernel_paths()["target_rope_norms"]

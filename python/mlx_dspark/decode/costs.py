@@ -348,9 +348,13 @@ def load_cached(key: dict) -> Costs | None:
 
     data = read_fact("calibration", key)
     try:
-        c = Costs(**{k: data[k] for k in ("widths", "t_verify", "t_draft", "measured_s", "t_plain")}, key=key)
-        c.settled, c.measures = bool(data.get("settled", True)), int(data.get("measures", 1))
-        c.others_share = data.get("others_share")
+        c = Costs(
+            **{k: data[k] for k in ("widths", "t_verify", "t_draft", "measured_s", "t_plain")},
+            key=key,
+            settled=bool(data.get("settled", True)),  # a curve stored before the field: taken as settled
+            others_share=data.get("others_share"),
+            measures=int(data.get("measures", 1)),
+        )
     except (KeyError, TypeError):  # nothing stored (None), or another layout
         return None
     c.origin = "disk"

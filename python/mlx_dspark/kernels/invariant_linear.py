@@ -475,10 +475,10 @@ def _dense_plan(weight: mx.array, bias, path: str):
     if path == "native":
         fn = _native.ext(warn=False).invariant_linear
 
-        def plan(x):  # the op takes [..., K] as it comes: no reshape nodes around it
-            if x.dtype != dt or x.shape[-1] != K or x.size == 0 or x.ndim < 2:
+        def plan(x):  # the op takes [..., M, K] as it comes: no reshape nodes around it
+            if x.dtype != dt or x.shape[-1] != K or x.size == 0:
                 return None
-            return fn(x, weight, bias)
+            return fn(x, weight, bias) if x.ndim > 1 else fn(x[None], weight, bias)[0]
 
         return plan
     else:

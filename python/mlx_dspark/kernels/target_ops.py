@@ -17,8 +17,9 @@ Both compute each row from that row alone (and its position), so a verify block'
 plain steps' bitwise and the drafting modes stay equal to baseline. They round differently from
 MLX's fallbacks (the references below agree to float32 rounding), so the CPU's decode path is the
 same in every mode but is not MLX's op for op, as its native linears already are not.
-`MLX_DSPARK_KERNELS=reference`, or `MLX_DSPARK_TARGET_OPS=off` (for A/B measurements; the
-calibration keys it), keeps MLX's ops.
+`MLX_DSPARK_KERNELS=reference`, or `MLX_DSPARK_TARGET_OPS=off` (for A/B measurements, read once
+at import so the decode forward reads no environment for it; the calibration keys it), keeps
+MLX's ops.
 """
 
 from __future__ import annotations
@@ -60,14 +61,17 @@ def rms_norm_reference(x: mx.array, weight: mx.array | None, eps: float) -> mx.a
 
 
 # --------------------------------------------------------------------------------- routing
+_ENABLED = os.environ.get("MLX_DSPARK_TARGET_OPS", "on").strip().lower() not in ("off", "0", "false")
+
+
 def enabled() -> bool:
-    """Whether the target's RoPE and norms may take the native ops (MLX_DSPARK_TARGET_OPS, default on)."""
-    return os.environ.get("MLX_DSPARK_TARGET_OPS", "on").strip().lower() not in ("off", "0", "false")
+    """Whether the target's RoPE and norms may take the native ops (MLX_DSPARK_TARGET_OPS at import, default on)."""
+    return _ENABLED
 
 
 def _ext(x: mx.array):
     """The extension where x (float32, the CPU) takes the native ops, else None."""
-    if x.dtype != mx.float32 or mx.default_device() != mx.cpu or not enabled():
+    if not _ENABLED or x.dtype != mx.float32 or mx.default_device() != mx.cpu:
         return None
     ext = native.ext(warn=False)
     return ext if getattr(ext, "rope", None) is not None else None
