@@ -11,7 +11,8 @@ plain steps, verify rounds and the kernel prefill alike) here:
   rope(x, dims, ..., offset)   mx.fast.rope with a base (offset an int, a scalar array or one per
                                batch row); None for what the op does not express (freqs, another
                                dtype or device): MLX's own op runs
-  rms_norm(x, weight, eps)     x * rsqrt(mean(x^2) + eps) * weight over the last axis
+  rms_norm(x, weight, eps)     x * rsqrt(mean(x^2) + eps) * weight over the last axis (the
+                               reference: draft_ops.rms_norm_reference)
 
 Both compute each row from that row alone (and its position), so a verify block's rows equal the
 plain steps' bitwise and the drafting modes stay equal to baseline. They round differently from
@@ -29,6 +30,7 @@ import os
 import mlx.core as mx
 
 from . import native
+from .draft_ops import rms_norm_reference  # noqa: F401  (the norm's semantics: one reference for both)
 
 
 # ----------------------------------------------------------------------------- references
@@ -53,11 +55,6 @@ def rope_reference(x: mx.array, dims: int, *, traditional: bool, base: float, sc
         a, b = x[..., :half], x[..., half:dims]
         rot = mx.concatenate([a * c - b * s, a * s + b * c], axis=-1)
     return rot if dims == D else mx.concatenate([rot, x[..., dims:]], axis=-1)
-
-
-def rms_norm_reference(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-    y = x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps)
-    return y * weight if weight is not None else y
 
 
 # --------------------------------------------------------------------------------- routing
