@@ -24,6 +24,9 @@
 #                                                       # wall each, CLI_REPS (2) times; MLX's PTX directory ($OUT/cli-cold.md)
 #   bash bench/h200_invariance.sh cold                  # auto vs baseline, a fresh `generate` process per run
 #                                                       # (bench_auto_cli.py --blas asis; $OUT/cold.md)
+#   bash bench/h200_invariance.sh calib-steady          # the calibration's curve (measured twice) against the decode's
+#                                                       # steady state: pipelined plain steps, synchronised widths, a
+#                                                       # round's marginal cost among plain steps ($OUT/calib-steady.md)
 #   bash bench/h200_invariance.sh first-steps           # every step of a fresh process's first generations timed: a
 #                                                       # process that calibrates, then fresh ones on a code and a chat
 #                                                       # prompt (diag_first_steps.py, FS_MODE (auto); $OUT/first-steps.txt)
@@ -185,6 +188,9 @@ for step in "$@"; do
       echo; echo "MLX's PTX directory: $(ls /tmp/mlx/*/ptx 2>/dev/null | wc -l) files"
       ls /tmp/mlx/*/ptx 2>/dev/null | sed 's/\.[a-z]*$//' | sort -u | head -40 | sed 's/^/    /'
     } 2>&1 | tee "$OUT/cli-cold.md"; el ;;
+  calib-steady)  # the calibration's curve against the loop's steady state (diag_calibration_steady.py; $OUT/calib-steady.md)
+    timeout "${CS_LIMIT:-200}" python3 bench/diag_calibration_steady.py --dtype "${CS_DTYPE:-bfloat16}" \
+      --out "$OUT/calib-steady.md" 2>&1 | grep -v -e Warn -e clean_up | tail -12; el ;;
   cold)  # issue 20's never-slower bar as a CLI user gets it: a fresh `mlx-dspark generate` process per run
     timeout "${COLD_LIMIT:-500}" python3 bench/bench_auto_cli.py --blas asis --classes "${COLD_CLASSES:-chat,code,math,copy}" \
       --reps "${COLD_REPS:-3}" --max-new-tokens "${COLD_TOKENS:-$TOKENS}" --out "$OUT/cold.md" 2>&1 | tail -30; el ;;

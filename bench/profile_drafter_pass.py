@@ -1,4 +1,4 @@
-"""Where one DSpark drafter pass spends its time on the CPU: its parts, each timed alone.
+"""Where one DSpark drafter pass spends its time: its parts, each timed alone.
 
   python bench/profile_drafter_pass.py [--context 200] [--out bench/results/drafter-pass-cpu.md]
 
@@ -7,7 +7,8 @@ ingested. Each part runs on the same inputs with its own mx.eval, median of 25 c
 warm-up calls, inside native_products() as a drafter pass runs: the whole block's hidden states,
 one backbone layer and its parts, the final norm, and `sample` (lm_head rows, the Markov chain,
 the confidences). Parts timed alone each pay an eval of their own, so they sum to a little more
-than the whole.
+than the whole. Then the pass as a round runs it: DrafterProposer.propose with its draft read
+back (what the calibration times) and, where the pass compiles (the GPU), the compiled pass alone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,34 @@ def median_ms(fn, n: int = 25) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return sorted(ts)[n // 2] * 1e3
+
+
+def whole_pass_rows(target, d, context: int) -> list[tuple[str, float]]:
+    """A drafter round's pass as the loop runs it: the compiled greedy pass where the pass compiles
+    here (models/compiled_draft.py; the GPU), and DrafterProposer.propose with the draft read back,
+    as the calibration times it (decode/costs.py _DraftTimer: ingest one row, draft, read)."""
+    from mlx_dspark.decode.costs import _DraftTimer
+    from mlx_dspark.models import compiled_draft
+
+    ids = [(17 + 7919 * i) % 4000 + 1 for i in range(context)]
+    out = target.forward(mx.array([ids]), target.make_cache(), taps=tuple(d.taps), last_only=True)
+    timer = _DraftTimer(d, target, ids, out.hidden[0])
+    for _ in range(28):
+        timer.time()
+    got = [("propose + read back (ingest one row, draft the block: the calibration's drafter pass)", timer.best * 1e3)]
+    compiled = compiled_draft.for_drafter(d)
+    if compiled is not None and not compiled.failed:
+        state, row = timer.prop.state, out.hidden[0][-1:]
+        got.append(
+            (
+                "the compiled greedy pass alone (no row to ingest, tokens evaluated)",
+                median_ms(lambda: mx.eval(compiled(77, None, state, False)[0])),
+            )
+        )
+        got.append(
+            ("  with one row ingested first (op by op)", median_ms(lambda: mx.eval(compiled(77, row, state, False)[0])))
+        )
+    return got
 
 
 def main() -> int:
@@ -71,6 +100,7 @@ def main() -> int:
             ),
         ]
         timed = [(name, median_ms(fn)) for name, fn in rows]
+    timed += whole_pass_rows(target, d, a.context)
     lines = [
         f"\n### profile_drafter_pass.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n",
         f"`python bench/profile_drafter_pass.py --context {a.context}`; {bm.device_stamp()}; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from drafter_fixtures import perm_chain, target, workspace
@@ -106,20 +107,20 @@ OPENBLAS = Costs(
 
 def test_one_lucky_probe_does_not_resume_a_losing_drafter():
     """A chat prompt the demo drafter cannot draft (auto-cpu.md, fifteenth session): its first round
-    lost all 5 drafts, a probe then got 1 of 5 right. That leaves it just above break-even; it must
-    stay parked (the gap doubles) rather than resume and lose round after round. A probe that gets
-    most drafts right resumes it at once."""
+    lost all 5 drafts; a probe that then gets 3 of 5 right leaves it just above break-even (a round
+    after plain steps pays the pipeline's bubble too). It must stay parked (the gap doubles) rather
+    than resume and lose round after round. A probe that gets every draft right resumes it at once."""
     p = pol.CostPolicy(OPENBLAS, cap=32)
     assert p.worth_trying("drafter", 7, 42) and p.length("drafter", 7, 42) == 5  # the prior's round
     p.result("drafter", 5, 0, 43)
     assert not p.worth_trying("drafter", 7, 44)  # parked
     n = 44 + pol.PROBE_MIN
     assert p.worth_trying("drafter", 7, n) and p.length("drafter", 7, n) >= 1
-    p.result("drafter", 5, 1, n + 2)
+    p.result("drafter", 5, 3, n + 4)
     _, r = p.best("drafter", 7)
     assert pol.MARGIN * p.plain_rate <= r < pol.RESUME_MARGIN * p.plain_rate  # break-even, not a win
-    assert not p.ready("drafter", n + 2 + 2 * pol.PROBE_MIN - 1)  # still parked, its gap doubled
-    m = n + 2 + 2 * pol.PROBE_MIN
+    assert not p.ready("drafter", n + 4 + 2 * pol.PROBE_MIN - 1)  # still parked, its gap doubled
+    m = n + 4 + 2 * pol.PROBE_MIN
     assert p.worth_trying("drafter", 7, m) and p.length("drafter", 7, m) >= 1  # the next probe
     p.result("drafter", 5, 5, m + 6)
     assert p.worth_trying("drafter", 7, m + 7) and p.length("drafter", 7, m + 7) > 0  # resumed
@@ -289,6 +290,61 @@ def test_plain_rate_is_the_pipelined_step_where_it_is_cheaper_than_a_synced_forw
         for _ in range(20):
             s.result("drafter", 4, 2, 100)
     assert s1.length("drafter", 8, 200) > 0 and s2.length("drafter", 8, 200) == 0
+
+
+def test_a_round_that_interrupts_plain_steps_pays_the_pipeline_bubble():
+    """Plain decoding builds each step while the one before it runs; a round's synchronised forward
+    and the step built after it do not overlap: t_verify(1) - t_plain more per run of rounds. A
+    round that follows a round breaks no pipeline, and a curve without a pipelined figure has none."""
+    launch_bound = Costs(FLAT.widths, FLAT.t_verify, t_draft=FLAT.t_draft, origin="given", t_plain=0.008)
+    assert launch_bound.bubble == pytest.approx(0.002) and FLAT.bubble == 0.0
+    assert Costs([1], [0.01], t_plain=0.02).bubble == 0.0  # never negative
+    p = pol.CostPolicy(launch_bound, cap=8)
+    p.timed(1, 0.008)
+    after_plain = p.rate("drafter", 3)
+    assert after_plain == pytest.approx(p.slots["drafter"].tau(3) / (0.002 + launch_bound.verify(4) + 0.002))
+    p.timed(4, 0.002 + launch_bound.verify(4))
+    assert p.rate("drafter", 3) > after_plain
+    p.timed(1, 0.008)
+    assert p.rate("drafter", 3) == pytest.approx(after_plain, rel=0.02)  # scales moved a little
+    # plain_reason weighs the bubble too: the same drafter, the same acceptance, a wider gap
+    assert pol.plain_reason(FLAT, 7, drafter=True, measured_tau=2.4) is None
+    hidden = Costs(FLAT.widths, [t + 0.004 for t in FLAT.t_verify], t_draft=FLAT.t_draft, origin="given", t_plain=0.010)
+    assert pol.plain_reason(hidden, 7, drafter=True, measured_tau=2.4)
+
+
+def test_a_round_is_timed_from_the_read_back_of_the_token_before_it(monkeypatch):
+    """The live correction compares a round with a synchronised forward: its time starts once the
+    pending token is read back. Waiting for the plain step in flight is that step's cost (the
+    pipelined steps measure it); charged to the round, every round after plain steps looked about
+    one plain step dearer than it was."""
+    monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: FLAT)
+    tgt, tok, d, prompt = _perm_pair(4)
+    seen = []
+    real = pol.CostPolicy.timed
+    monkeypatch.setattr(pol.CostPolicy, "timed", lambda self, w, s: (seen.append((w, s)), real(self, w, s))[1])
+    from mlx_dspark.api import start
+
+    tg = start(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=24, max_draft="auto")
+    g = tg.generation
+    g.step()  # the prefill: the first token is pending
+
+    class SlowPending:  # the plain step in flight: its token takes 0.3 s to read back
+        def __init__(self, arr):
+            self.arr = arr
+
+        def item(self):
+            time.sleep(0.3)
+            return self.arr.item()
+
+        def reshape(self, *shape):
+            return self.arr.reshape(*shape)
+
+    g.pending = SlowPending(g.pending)
+    t = time.perf_counter()
+    g.step()
+    assert time.perf_counter() - t >= 0.3
+    assert seen and seen[0][0] > 1 and seen[0][1] < 0.3  # a round, timed without the wait
 
 
 def test_calibration_off_keeps_the_fixed_rules(calibration_dir, monkeypatch):

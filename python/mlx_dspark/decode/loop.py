@@ -232,6 +232,7 @@ class Generation:
         self.pending: mx.array | None = None
         self.pending_row: mx.array | None = None
         self.pending_is_round = False
+        self._read_at = 0.0  # when the pending token was last read back (a round is timed from there)
         self.prefilled = False
         self.done = False
 
@@ -246,7 +247,7 @@ class Generation:
             return Commit([])
         if not self.prefilled:
             return self._prefill()
-        t = time.perf_counter()
+        t = self._read_at = time.perf_counter()
         try:
             feed = self.plan()
             if isinstance(feed, Commit):
@@ -254,9 +255,11 @@ class Generation:
             commit = feed.finish(self.target.forward(feed.tokens.reshape(1, -1), self.cache, taps=feed.taps))
             policy = getattr(self.proposer, "policy", None)
             if policy is not None and policy.adaptive and (feed.width > 1 or feed.finish == self._finish_plain):
-                # the cost model's live correction: rounds, and pipelined plain steps (a synchronous
-                # one follows a round and is its cost, not plain decoding's)
-                policy.timed(feed.width, time.perf_counter() - t)
+                # the cost model's live correction: rounds, timed from the read-back of the token
+                # before them (waiting for the plain step in flight is that step's cost, which the
+                # pipelined steps measure), and pipelined plain steps (a synchronous one follows a
+                # round and is its cost, not plain decoding's)
+                policy.timed(feed.width, time.perf_counter() - (self._read_at if feed.width > 1 else t))
             return commit
         finally:
             self.res.decode_s += time.perf_counter() - t
@@ -384,6 +387,7 @@ class Generation:
         first = Commit([])
         if self.pending is not None:
             tok = int(self.pending.item())
+            self._read_at = time.perf_counter()
             self.pending = None
             first = self._commit([tok], self.pending_row, 0, self.pending_is_round)
             if self.done:

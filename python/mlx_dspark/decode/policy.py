@@ -21,13 +21,18 @@ CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decod
   tok/s = tau(k) / (t_draft + t_verify(k + 1)), tau(k) = 1 + sum_{j<=k} prod_{i<=j} p_i,
   with p_i the live acceptance of draft slot i given slot i-1 was accepted (an exponential
   average per slot and per source, from a prior). Each round takes the k that maximizes it,
-  compared with plain decoding's 1 / t_verify(1). Where no k beats plain by MARGIN, the source
-  parks: the loop takes pipelined plain steps, and a probe round every `park` tokens (doubling
-  from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN when one wins) keeps p_i live.
+  compared with plain decoding's 1 / t_plain (a pipelined step). A round that follows plain steps
+  also pays `Costs.bubble`: the step after it is built while the device waits, which plain
+  decoding hides (t_verify(1) - t_plain); a round that follows a round does not. Where no k beats
+  plain by MARGIN, the source parks: the loop takes pipelined plain steps, and a probe round
+  every `park` tokens (doubling from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN
+  when one wins) keeps p_i live.
   A probe "wins" only when it leaves the source RESUME_MARGIN ahead: one lucky draft must not
   resume a source that then loses several rounds in a row (hysteresis). The curve is corrected
-  live: the loop reports each step's wall time (`timed`), and an exponential average of measured
-  over calibrated cost, one for rounds and one for plain steps, scales the two sides.
+  live: the loop reports each step's wall time (`timed`; a round's from the moment the token
+  before it is read back, as the calibration times a synchronised forward), and an exponential
+  average of measured over calibrated cost, one for rounds and one for plain steps, scales the
+  two sides.
   Per round: a drafter with a confidence head whose drafts are read on the host drafts its whole
   block, and `cut` keeps the prefix worth verifying: the first slot (the pass is paid for), and
   slot j > 0 when some continuation from it, each later slot accepted with slot j's confidence
@@ -245,16 +250,19 @@ class CostPolicy(DraftPolicy):
         self.round_scale, self.plain_scale = 1.0, 1.0
         self._last_source = "drafter"
         self.plain_rate = 1.0 / costs.plain
+        self._after_round = False  # the last timed step was a round: the next one breaks no pipeline
 
     def _draft_cost(self, source: str) -> float:
         return (self.costs.t_draft or 0.0) if source == "drafter" else 0.0
 
     def rate(self, source: str, k: int, depth: int = 0) -> float:
         s = self.slots[self._kind(source, depth)]
-        return s.tau(k) / ((self._draft_cost(source) + self.costs.verify(k + 1)) * self.round_scale)
+        bubble = 0.0 if self._after_round else self.costs.bubble
+        return s.tau(k) / ((self._draft_cost(source) + self.costs.verify(k + 1) + bubble) * self.round_scale)
 
     def timed(self, width: int, seconds: float) -> None:
         lo, hi = LIVE_RANGE
+        self._after_round = width > 1
         if width <= 1:
             x = seconds / self.costs.plain
             self.plain_scale += LIVE_ALPHA * (min(max(x, lo), hi) - self.plain_scale)
@@ -396,20 +404,21 @@ def plain_reason(costs: Costs, cap: int, drafter: bool, measured_tau: float | No
       domain loses on the rest, a fresh process pays its load, ingest and first passes before
       any round earns (auto-h200.md, 21st and 22nd sessions), and lookup, which auto runs in its
       place, takes the repetitive text for free. This verdict rests on acceptance measured
-      rather than on a ceiling, so calibration noise does not flip it: on the demo pair it is
-      0.97x on an H100 and 1.63x on a CPU with OpenBLAS (tests/test_policy.py)."""
+      rather than on a ceiling, so calibration noise does not flip it: on the demo pair's curves
+      in tests/test_policy.py it is 0.95x on an H100 and 1.29x on a CPU with OpenBLAS.
+    Both weigh each round with the pipeline's bubble (`Costs.bubble`), as the policy does."""
     typical = bool(drafter and measured_tau)
     p = slot_acceptance(measured_tau, max(1, cap)) if typical else BEST_CASE_P
     s = _Slots(p)
     t_d = (costs.t_draft or 0.0) if drafter else 0.0
-    best = max(s.tau(k) / (t_d + costs.verify(k + 1)) for k in range(1, max(1, cap) + 1))
+    best = max(s.tau(k) / (t_d + costs.verify(k + 1) + costs.bubble) for k in range(1, max(1, cap) + 1))
     gain = best * costs.plain
     if gain >= (TYPICAL_GAIN if typical else BEST_CASE_GAIN):
         return None
     w2 = costs.verify(2) / costs.plain
     at = f"at its typical {measured_tau:.2f} tokens a round {gain:.2f}x" if typical else f"at best {gain:.2f}x"
     return (
-        f"speculation cannot pay on this machine (a verify of 2 tokens costs {w2:.2f}x one of 1"
+        f"speculation cannot pay on this machine (a verify of 2 tokens costs {w2:.2f}x a plain step"
         + (f", a drafter pass {t_d / costs.plain:.2f}x" if drafter else "")
         + f"; {at} plain decoding)"
     )
