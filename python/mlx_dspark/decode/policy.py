@@ -251,14 +251,17 @@ class CostPolicy(DraftPolicy):
         self._last_source = "drafter"
         self.plain_rate = 1.0 / costs.plain
         self._after_round = False  # the last timed step was a round: the next one breaks no pipeline
+        self._bubble = costs.bubble  # read once: `best` prices every width of every offer with it
 
     def _draft_cost(self, source: str) -> float:
         return (self.costs.t_draft or 0.0) if source == "drafter" else 0.0
 
+    def _round_cost(self, source: str, k: int) -> float:
+        bubble = 0.0 if self._after_round else self._bubble
+        return (self._draft_cost(source) + self.costs.verify(k + 1) + bubble) * self.round_scale
+
     def rate(self, source: str, k: int, depth: int = 0) -> float:
-        s = self.slots[self._kind(source, depth)]
-        bubble = 0.0 if self._after_round else self.costs.bubble
-        return s.tau(k) / ((self._draft_cost(source) + self.costs.verify(k + 1) + bubble) * self.round_scale)
+        return self.slots[self._kind(source, depth)].tau(k) / self._round_cost(source, k)
 
     def timed(self, width: int, seconds: float) -> None:
         lo, hi = LIVE_RANGE
@@ -276,9 +279,14 @@ class CostPolicy(DraftPolicy):
         return "lookup-long" if source == "lookup" and depth >= LONG_DEPTH else source
 
     def best(self, source: str, offered: int, depth: int = 0) -> tuple[int, float]:
-        best_k, best_r = 0, 0.0
+        """The k that maximizes `rate` and that rate (tau(k) summed as k grows, not anew per k: this
+        runs on every plain step where a source may draft)."""
+        s = self.slots[self._kind(source, depth)]
+        best_k, best_r, tau, run = 0, 0.0, 1.0, 1.0
         for k in range(1, min(offered, self.cap) + 1):
-            r = self.rate(source, k, depth)
+            run *= s.get(k - 1)
+            tau += run
+            r = tau / self._round_cost(source, k)
             if r > best_r:
                 best_k, best_r = k, r
         return best_k, best_r
