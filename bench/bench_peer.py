@@ -2,11 +2,13 @@
 same drafter, same prompt token ids, greedy, warm, each side in its own process.
 
   python bench/bench_peer.py [--model GGUF_OR_MLX_DIR] [--n 3] [--tokens 192] [--trials 2]
-                             [--caps 2,4,7] [--ours-bits default,16|default,hostdraft] [--no-peer]
+                             [--caps 2,4,7] [--ours-bits default,16|default,hostdraft,noahead] [--no-peer]
                              [--out FILE] [--json FILE]
 
 --no-peer: ref and ours only (the peer is neither installed nor run); --ours-bits hostdraft adds a
-DSpark row whose compiled drafts are read back before the verify (two host syncs a round).
+DSpark row whose compiled drafts are read back before the verify (two host syncs a round), noahead
+one whose next block is drafted after the round's accept point is read back (decode/drafting.py's
+draft ahead off).
 
 What runs, one subprocess each, in this order (the parent imports neither package):
   prep  (ours, PYTHONPATH=python): the target GGUF (--model, else $MLX_DSPARK_DEMO_GGUF / the demo)
@@ -313,7 +315,8 @@ def main() -> int:
         "--ours-bits",
         default="default,16",
         help="our DSpark rows, by drafter bits: default (as the CLI), 4, 8, 16; hostdraft: default bits with "
-        "the compiled drafts read back before the verify (two syncs a round, as before)",
+        "the compiled drafts read back before the verify (two syncs a round, as before); noahead: default bits, "
+        "the next block drafted after the accept point is read back",
     )
     ap.add_argument("--work", default="/tmp/bench_peer", help="converted target/drafter, peer site, per-side JSON")
     ap.add_argument("--peer-wheels", default=str(WHEELS), help="folder of the wheels listed in the header")

@@ -192,8 +192,8 @@ def role_ours(job: dict) -> dict:
     drafters = {}
     from mlx_dspark.decode.drafting import DrafterProposer
 
-    def dspark(ids, d, device_drafts=True):
-        DrafterProposer.device_drafts = device_drafts
+    def dspark(ids, d, device_drafts=True, ahead=True):
+        DrafterProposer.device_drafts, DrafterProposer.draft_ahead = device_drafts, ahead
         try:
             return _ours_run(
                 generate(
@@ -201,14 +201,16 @@ def role_ours(job: dict) -> dict:
                 )
             )
         finally:
-            DrafterProposer.device_drafts = True
+            DrafterProposer.device_drafts = DrafterProposer.draft_ahead = True
 
-    for bits in job["ours_bits"]:  # "default" | 4 | 8 | 16 | "hostdraft" (default bits, drafts read back first)
-        b = None if bits in ("default", "hostdraft") else int(bits)
+    # "default" | 4 | 8 | 16 | "hostdraft" (default bits, drafts read back first) | "noahead" (default
+    # bits, the next block drafted after the accept point is read back)
+    for bits in job["ours_bits"]:
+        b = None if bits in ("default", "hostdraft", "noahead") else int(bits)
         d = drafter_for(target, "dspark", job["drafter"], bits=b)
-        name = "dspark" if bits == "default" else "dspark-hostdraft" if bits == "hostdraft" else f"dspark-{b}bit"
+        name = "dspark" if bits == "default" else f"dspark-{bits}" if b is None else f"dspark-{b}bit"
         drafters[name] = d.describe()
-        modes[name] = lambda ids, d=d, dev=bits != "hostdraft": dspark(ids, d, dev)
+        modes[name] = lambda ids, d=d, dev=bits != "hostdraft", ahead=bits != "noahead": dspark(ids, d, dev, ahead)
     res = timed_passes(job, modes, "ours", tok.decode)
     return {
         **res,

@@ -1,7 +1,7 @@
 """Where a decode round's time goes, per mode, in the product's real Generation (decode/loop.py).
 
   python bench/profile_round.py [--model M] [--precision bf16|8|4|f32] [--prompts DIR] [--n 5]
-         [--tokens 128] [--modes baseline,lookup,dspark,dspark-nolookup] [--max-draft N|auto]
+         [--tokens 128] [--modes baseline,lookup,dspark,dspark-nolookup,dspark-noahead] [--max-draft N|auto]
          [--drafter-bits 4|8|16] [--confidence-threshold T] [--out FILE.md]
 
 Each prompt runs, per mode, through mlx_dspark.api.start() (the Generation every entry point
@@ -297,7 +297,12 @@ def generation(md, target, tok, ids, mode, drafters, args):
     name = mode
     if mode == "dspark-nolookup":
         name, kw = "dspark", {**kw, "lookup_drafts": False}
+    if mode == "dspark-noahead":  # the next block drafted after the accept point is read back
+        name = "dspark"
     from mlx_dspark.api import start
+    from mlx_dspark.decode.drafting import DrafterProposer
+
+    DrafterProposer.draft_ahead = mode != "dspark-noahead"
 
     return start(
         target, tok, None, prompt_ids=ids, mode=name, drafter=drafters.get(name), max_new_tokens=args.tokens, **kw

@@ -132,7 +132,8 @@ def test_every_mode_is_identical_to_baseline_past_the_window(kind, prompt, max_d
     for r in runs:
         assert r.tokens == base.tokens and r.text == base.text
         assert "speculation_off" not in r.stats
-    assert runs[1].stats["drafter_proposed"] > 0  # the drafter did draft on the mlx-vlm target
+    if len(base.tokens) > 2:  # (a prompt the model answers with its end token at once has no round)
+        assert runs[1].stats["drafter_proposed"] > 0  # the drafter did draft on the mlx-vlm target
     if max_draft > 1 and len(base.tokens) > WINDOW + 2:
         assert max(runs[-1].accept_lengths) > 1  # verify rounds did run and roll back past the wrap
 

@@ -31,14 +31,23 @@ class GreedyAcceptor:
     def sample(self, logits_row: mx.array, history: Sequence[int]) -> mx.array:
         return mx.argmax(logits_row, axis=-1).astype(mx.int32)
 
-    def verify(self, logits: mx.array, draft: Draft, history: Sequence[int]) -> tuple[int, int]:
+    def enqueue(self, logits: mx.array, draft: Draft) -> tuple[mx.array, mx.array]:
+        """verify()'s accept point, lazy: (accepted, bonus), int32 [1] each, their evaluation (and
+        the draft's, where it is still on the device) enqueued. A proposer may draft its next
+        block from them before they are read back (decode/drafting.py's before_accept)."""
         k = draft.size
         if draft.device is not None:  # read back with the accept point: one sync for the round
             d = draft.device.reshape(1, k)
         else:
             d = mx.array([draft.tokens], dtype=mx.int32) if k else mx.zeros((1, 0), dtype=mx.int32)
         _, accepted, bonus = kernels.greedy_accept(logits[None, : k + 1], d)
-        mx.eval(accepted, bonus, d)
+        mx.async_eval(accepted, bonus, d)
+        return accepted, bonus
+
+    def verify(self, logits: mx.array, draft: Draft, history: Sequence[int], lazy=None) -> tuple[int, int]:
+        """(accepted, next token) read back; `lazy`: enqueue()'s result for this round, if taken."""
+        accepted, bonus = lazy if lazy is not None else self.enqueue(logits, draft)
+        mx.eval(accepted, bonus)
         draft.read()
         return int(accepted.item()), int(bonus.item())
 

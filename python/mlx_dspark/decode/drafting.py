@@ -11,6 +11,12 @@ and nothing rejected:
             always ends exactly at the anchor: offset + pending == anchor position, checked
             every round. Block K/V never enter the cache (crop to the accepted point).
 
+Draft ahead (greedy, compiled passes, drafts left on the device): a drafter round's verify is
+enqueued with its accept point, then every verified row is ingested and the next block drafted
+from that accept point, still on the device (before_accept); the host reads the accept point back
+while the pass runs, and builds the next verify behind it. observe() crops the context to the
+accepted rows. A round that does not use the block (lookup, a plain step) drops it.
+
 Hybrid lookup drafts: when the context suffix has occurred before (NgramIndex), that free
 continuation may be proposed instead of running the drafter. The context rows keep accumulating
 and are fed to the next drafter pass. Whether a round goes to lookup, to the drafter or to a
@@ -72,6 +78,7 @@ class _DrafterPass:
     sampling: object
     history: list
     cut: bool = False  # the policy cuts the drafted block by its confidences (DraftPolicy.cut)
+    ahead: mx.array | None = None  # this block, drafted ahead (before_accept); rows is None then
 
 
 def confident_prefix(conf_logits: list[float], threshold: float) -> int:
@@ -93,6 +100,9 @@ class DrafterProposer(Proposer):
     # Compiled greedy drafts stay on the device into the verify forward (one sync per round);
     # False reads them back first, as the op-by-op pass does (the benches compare the two).
     device_drafts = True
+    # With device drafts, a drafter round's successor block is drafted before the round's accept
+    # point is read back (`before_accept`); False drafts it after (the benches compare the two).
+    draft_ahead = True
 
     def __init__(
         self,
@@ -129,6 +139,9 @@ class DrafterProposer(Proposer):
         self.n_pending = 0
         self.index = NgramIndex()
         self.last_lookup = False
+        self.last_on_device = False  # the last drafter round's draft stayed on the device
+        self._ahead: tuple | None = None  # (tokens, context length before the round) till observe
+        self._ahead_ready: mx.array | None = None  # the next block, drafted ahead, till _prepare
         self._depth = self._n_hist = 0
         self.policy = self._policy or FixedPolicy(hybrid=True)
         self.counters = {
@@ -139,6 +152,8 @@ class DrafterProposer(Proposer):
             "lookup_proposed": 0,
             "lookup_accepted": 0,
             "truncated_rounds": 0,
+            "ahead_rounds": 0,
+            "ahead_unused": 0,
             "drafter_s": 0.0,
         }
 
@@ -170,7 +185,13 @@ class DrafterProposer(Proposer):
             return got if isinstance(got, Draft) else self._run_pass(got)
 
     def _run_pass(self, got: "_DrafterPass") -> Draft:
-        """The Draft of one drafter pass: the compiled greedy pass where there is one, else op by op."""
+        """The Draft of one drafter pass: the block drafted ahead, the compiled greedy pass where
+        there is one, else op by op."""
+        if got.ahead is not None:
+            self.counters["ahead_rounds"] += 1
+            self.last_on_device = True
+            return self._drafted_on_device(got, got.ahead[: got.max_draft])
+        self.last_on_device = False
         lazy = self._compiled_sample(got)
         if lazy is not None:
             return self._compiled_draft(got, lazy)
@@ -178,9 +199,43 @@ class DrafterProposer(Proposer):
         mx.eval(lazy[3])
         return self._drafted(got, *lazy)
 
+    def before_accept(self, hidden: mx.array, accepted: mx.array, bonus: mx.array) -> None:
+        """Draft ahead: a greedy drafter round's verify is enqueued, with its accept point
+        (accepted, bonus: int32 [1], lazy, enqueued). Where this round's draft stayed on the device
+        (the compiled pass, no confidence cut), every verified row goes into the context now and
+        the next block is drafted from the accept point as it will be: anchor `bonus`, context
+        length base + accepted + 1, the rows past it masked. The pass is enqueued behind the
+        verify, so the host builds it while the verify runs, and builds the next verify while it
+        runs. observe() crops the context to the accept point; _prepare uses the block if the
+        next round is a drafter round, else drops it (its device time is lost)."""
+        from ..models import compiled_draft
+
+        self._ahead = self._ahead_ready = None
+        compiled = compiled_draft.for_drafter(self.drafter)
+        if (
+            not self.draft_ahead
+            or not self.last_on_device
+            or self.last_lookup
+            or self.n_pending
+            or compiled is None
+            or compiled.eager < compiled_draft.EAGER_PASSES
+        ):
+            return
+        base = self.state[0].offset
+        with native_products():
+            self.drafter.ingest(hidden, self.state)  # every verified row; observe crops
+            toks = compiled.ahead(bonus, base + accepted + 1, self.state)
+        if toks is None:  # cannot run here (warned): the context goes back to the round's start
+            for c in self.state:
+                c.crop(base)
+            return
+        mx.async_eval(toks)
+        self._ahead = (toks, base)
+
     def _compiled_draft(self, got: "_DrafterPass", lazy) -> Draft:
         """The Draft of a compiled greedy pass: left on the device where it may be, else read."""
         if self.device_drafts and not self._with_conf(got):
+            self.last_on_device = True
             return self._drafted_on_device(got, lazy[3][0])
         mx.eval(lazy[3])
         return self._drafted(got, *lazy)
@@ -259,6 +314,7 @@ class DrafterProposer(Proposer):
     def _prepare(self, history: Sequence[int], max_draft: int, sampling):
         """What propose() decides before the drafter runs: a final Draft (empty, or lookup's), or
         the drafter pass to run (_DrafterPass)."""
+        ahead = self._take_ahead()
         anchor_pos = len(history) - 1
         if self.state[0].offset + self.n_pending != anchor_pos:
             raise RuntimeError(
@@ -266,25 +322,39 @@ class DrafterProposer(Proposer):
                 f"pending rows for an anchor at position {anchor_pos}"
             )
         if max_draft <= 0:
+            self._drop(ahead)
             return Draft()
         self._n_hist = len(history)
         draft = self._lookup_draft(history, max_draft)
         if draft is not None:
+            self._drop(ahead)
             return draft
         self.last_lookup = False
         n = len(history)
         if not self.policy.ready("drafter", n):
+            self._drop(ahead)
             return Draft()
         offered = min(max_draft, self.block_drafts)
         max_draft = self.policy.length("drafter", offered, n)
         if max_draft <= 0:
+            self._drop(ahead)
             return Draft()
         cut = self._cuts(sampling)
         if cut:  # the whole block is drafted; its confidences decide how much of it to verify
             max_draft = offered
-        return _DrafterPass(
-            time.perf_counter(), history[-1], self._take_rows(), max_draft, sampling, list(history), cut
-        )
+        rows = self._take_rows()
+        if ahead is not None and (rows is not None or cut or self.threshold > 0 or not _lazy_argmax(sampling)):
+            ahead = self._drop(ahead)
+        return _DrafterPass(time.perf_counter(), history[-1], rows, max_draft, sampling, list(history), cut, ahead)
+
+    def _take_ahead(self) -> mx.array | None:
+        ahead, self._ahead_ready = self._ahead_ready, None
+        return ahead
+
+    def _drop(self, ahead: mx.array | None) -> None:
+        """A block drafted ahead that this round does not use: counted, its device time lost."""
+        if ahead is not None:
+            self.counters["ahead_unused"] += 1
 
     def _cuts(self, sampling) -> bool:
         """Does the policy cut this round's block by its confidences? Where the drafter has a
@@ -339,7 +409,15 @@ class DrafterProposer(Proposer):
     def observe(self, n_proposed: int, n_accepted: int, hidden: mx.array | None) -> None:
         if hidden is None:
             raise RuntimeError("the drafter needs the tapped hidden states of the kept positions")
-        self._add_rows(hidden)
+        self._drop(self._take_ahead())  # a block drafted ahead serves the round right after its own
+        if self._ahead is not None:  # this round's rows are in the context: keep the accepted ones
+            toks, base = self._ahead
+            self._ahead = None
+            for c in self.state:
+                c.crop(base + n_accepted + 1)
+            self._ahead_ready = toks
+        else:
+            self._add_rows(hidden)
         if n_proposed == 0:
             return
         n_hist = self._n_hist

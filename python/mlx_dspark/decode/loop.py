@@ -235,6 +235,8 @@ class Generation:
         self._read_at = 0.0  # when the pending token was last read back (a round is timed from there)
         self.prefilled = False
         self.done = False
+        self.solo = False  # inside step(): a round's proposer may draft ahead (not in a batch)
+        self._ahead = type(self.proposer).before_accept is not Proposer.before_accept
 
     # ------------------------------------------------------------------ driving
     def __iter__(self):
@@ -252,6 +254,7 @@ class Generation:
             feed = self.plan()
             if isinstance(feed, Commit):
                 return feed
+            self.solo = True
             commit = feed.finish(self.target.forward(feed.tokens.reshape(1, -1), self.cache, taps=feed.taps))
             policy = getattr(self.proposer, "policy", None)
             if policy is not None and policy.adaptive and (feed.width > 1 or feed.finish == self._finish_plain):
@@ -262,6 +265,7 @@ class Generation:
                 policy.timed(feed.width, time.perf_counter() - (self._read_at if feed.width > 1 else t))
             return commit
         finally:
+            self.solo = False
             self.res.decode_s += time.perf_counter() - t
 
     def cancel(self) -> None:
@@ -458,7 +462,17 @@ class Generation:
 
     def _finish_round(self, out, anchor: int, draft: Draft, first: Commit) -> Commit:
         taps, k = self.taps, draft.size
-        n_acc, nxt_tok = self.acceptor.verify(out.logits[0], draft, self.history)  # reads the draft back
+        lazy = None
+        enqueue = getattr(self.acceptor, "enqueue", None)
+        room = self.max_new_tokens - len(self.res.tokens)  # a round after this one needs 3 or more
+        if self._ahead and self.solo and taps and enqueue is not None and room > 2:
+            # the accept point, lazy: the proposer may draft the next block on it before it is read
+            lazy = enqueue(out.logits[0], draft)
+            self.proposer.before_accept(out.hidden[0], *lazy)
+        if lazy is None:
+            n_acc, nxt_tok = self.acceptor.verify(out.logits[0], draft, self.history)  # reads the draft back
+        else:
+            n_acc, nxt_tok = self.acceptor.verify(out.logits[0], draft, self.history, lazy)
         self._fed([anchor] + draft.tokens, out.hidden[0] if taps else None)
         self._trim(k - n_acc)
         self.proposer.observe(k, n_acc, out.hidden[0, : n_acc + 1] if taps else None)

@@ -13,6 +13,11 @@ Life cycle, for one generation:
   propose(history, max_draft, sampling)     a Draft of at most `max_draft` tokens that continue
                                             `history` (its last item is the anchor: committed,
                                             not yet fed to the target). Empty = plain step.
+  before_accept(hidden, accepted, bonus)    optional, greedy solo rounds: the verify is enqueued
+                                            and its accept point with it (int32 [1] each, lazy),
+                                            `hidden` every verified row's taps [k + 1, T]. A
+                                            proposer may enqueue its next draft on them before
+                                            they are read back (drafting.py: draft ahead).
   observe(n_proposed, n_accepted, hidden)   after verify: `hidden` holds the tapped rows of the
                                             positions that were fed and kept, i.e. the anchor and
                                             the accepted drafts ([n_accepted + 1, T]); plain steps
@@ -67,6 +72,9 @@ class Proposer:
 
     def propose(self, history: Sequence[int], max_draft: int, sampling: "SamplingParams | None") -> Draft:
         return Draft()
+
+    def before_accept(self, hidden: mx.array, accepted: mx.array, bonus: mx.array) -> None:
+        pass
 
     def observe(self, n_proposed: int, n_accepted: int, hidden: mx.array | None) -> None:
         pass

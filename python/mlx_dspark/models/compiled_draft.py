@@ -10,7 +10,8 @@ What makes one trace serve every round: the new context rows are ingested first,
 count varies), so the compiled block sees no context rows, only the cache. Each layer's cache goes
 in as its whole buffer (whole CAPACITY_STEP blocks) with the context length as an int32 array;
 the block's keys and values are appended after the buffer, and attention masks the buffer's
-positions at and past the context length (`_BlockKV`). The anchor token is an array too. The
+positions at and past the context length (`_BlockKV`). The anchor token is an array too, so both
+may still be on the device: `ahead` drafts from a round's accept point before it is read back. The
 chain runs over the whole block (each slot's token depends only on the slots before it), and the
 caller keeps the first k.
 
@@ -116,25 +117,15 @@ class CompiledDraft:
         for r, st in zip(rows, states):
             if r is not None and r.shape[0]:
                 self._drafter.ingest(r, st)
-        keys, values = [], []
-        for st in states:
-            for c in st:
-                pad_to_blocks(c)
-            keys += [c.keys for c in st]
-            values += [c.values for c in st]
-        traced = self.traces
         try:
-            outs = self._pass(bool(with_conf))(
+            return self._run(
                 mx.array([int(a) for a in anchors], dtype=mx.int32),
                 mx.array([st[0].offset for st in states], dtype=mx.int32),
-                keys,
-                values,
+                states,
+                with_conf,
             )
-            if self.traces != traced:
-                mx.eval(outs)
         except (RuntimeError, ValueError, TypeError) as e:
-            self.failed = f"{type(e).__name__}: {e}"
-            warnings.warn(f"the compiled drafter pass failed here ({self.failed}); drafting op by op", stacklevel=2)
+            self._fail(e)
             d = self._drafter  # the rows are in the states already
             hidden = d.block_hidden_rows(anchors, [None] * len(anchors), states)
             got = []
@@ -142,8 +133,39 @@ class CompiledDraft:
                 toks, _, conf = d.sample(hidden[b], a, _greedy, with_conf)
                 got.append((mx.stack(toks), conf))
             return got
-        per = len(outs) // len(anchors)
-        return [(outs[b * per], outs[b * per + 1] if per > 1 else None) for b in range(len(anchors))]
+
+    def ahead(self, anchor: mx.array, offset: mx.array, state: list):
+        """The greedy block (tokens, lazy) of one generation whose anchor token and context length
+        are still on the device (int32 [1] each: a round's accept point before it is read back,
+        decode/drafting.py's draft-ahead). The context rows up to `offset` are in `state` already;
+        rows past it are masked. None where the pass cannot run here (it falls back as `rows`
+        does, from the next pass on)."""
+        if any(c.keys is None for c in state):
+            return None
+        try:
+            anchors, offsets = anchor.reshape(1).astype(mx.int32), offset.reshape(1).astype(mx.int32)
+            return self._run(anchors, offsets, [state], False)[0][0]
+        except (RuntimeError, ValueError, TypeError) as e:
+            self._fail(e)
+            return None
+
+    def _run(self, anchors: mx.array, offsets: mx.array, states: list, with_conf: bool) -> list:
+        keys, values = [], []
+        for st in states:
+            for c in st:
+                pad_to_blocks(c)
+            keys += [c.keys for c in st]
+            values += [c.values for c in st]
+        traced = self.traces
+        outs = self._pass(bool(with_conf))(anchors, offsets, keys, values)
+        if self.traces != traced:
+            mx.eval(outs)
+        per = len(outs) // anchors.shape[0]
+        return [(outs[b * per], outs[b * per + 1] if per > 1 else None) for b in range(anchors.shape[0])]
+
+    def _fail(self, e: Exception) -> None:
+        self.failed = f"{type(e).__name__}: {e}"
+        warnings.warn(f"the compiled drafter pass failed here ({self.failed}); drafting op by op", stacklevel=3)
 
     def __call__(self, anchor: int, rows: mx.array | None, state: list, with_conf: bool):
         """(tokens [block_drafts], confidences [block_drafts] or None), lazy, after ingesting
