@@ -69,8 +69,12 @@ def test_the_next_block_is_enqueued_before_the_accept_point_is_read(monkeypatch)
         return real(self, logits, draft, history, lazy)
 
     monkeypatch.setattr(GreedyAcceptor, "verify", verify)
+    tg.generation.step()  # the prefill (begin() sets the proposer's policy up)
+    told = []
+    p.policy.drafted_ahead = lambda: told.append(1)  # the policy hears of each block drafted ahead
     res = tg.run()
     assert len(seen) == len(res.accept_lengths) > 3
+    assert len(told) == sum(1 for s in seen if s[1]) == res.stats["ahead_rounds"] + res.stats["ahead_unused"]
     # all but the rounds too close to the end (no round after them) draft ahead
     assert all(s == (True, True, True) for s in seen[:-2])
 

@@ -419,7 +419,7 @@ def test_live_step_times_correct_a_calibration_that_overcharges_rounds():
     for n in range(0, 200, 4):
         p.result("drafter", 3, (n // 4) % 2, n)  # the first draft accepted every other round: 1.5 a round
     assert p.length("drafter", 7, 200) == 0  # at the calibrated prices a round loses
-    true_round = (0.0026 + 0.0135) / 1.3
+    true_round = (0.0026 + 0.0135 + dear.bubble) / 1.3  # each round follows a plain step: it pays the bubble
     for i in range(60):
         p.timed(2, true_round)
         p.timed(1, 0.0105)
@@ -447,3 +447,40 @@ def test_the_loop_reports_each_steps_time_to_an_adaptive_policy(monkeypatch):
     assert 0 < len(seen) <= res.rounds and all(s > 0 for _, s in seen)  # a round's synchronous next step: not timed
     assert sum(w > 1 for w, _ in seen) == res.stats["rounds"] > 0  # every round the policy counted
     assert res.stats["live_round_scale"] != 1.0
+
+
+def test_rounds_are_priced_and_timed_by_what_came_before_them():
+    """After plain steps a round pays the bubble; after a round, none; after a drafter round that
+    drafted the next block ahead (drafting.py's before_accept), a drafter round pays a bubble less
+    than its two synchronised parts (its verify's build and its pass's hide behind the device),
+    lookup does not. The live correction compares each round with that price, so a round timed at
+    exactly its price leaves the scale where it was (the bubble is never learnt as a scale)."""
+    c = Costs(FLAT.widths, FLAT.t_verify, t_draft=FLAT.t_draft, origin="given", t_plain=FLAT.verify(1) - 0.002)
+    b = c.bubble
+    assert b == pytest.approx(0.002)
+    p = pol.CostPolicy(c, cap=8)
+    parts = c.t_draft + c.verify(4)
+    p.timed(1, c.plain)
+    assert p._round_cost("drafter", 3) == pytest.approx(parts + b)
+    p.result("drafter", 3, 3, 10)
+    p.timed(4, parts + b)  # a round after plain steps, at its price
+    assert p.round_scale == pytest.approx(1.0)
+    assert p._round_cost("drafter", 3) == pytest.approx(parts)
+    p.drafted_ahead()
+    p.result("drafter", 3, 3, 14)
+    p.timed(4, parts)  # a round after a round, at its price; it drafted ahead
+    assert p.round_scale == pytest.approx(1.0)
+    assert p._round_cost("drafter", 3) == pytest.approx(parts - b)
+    assert p._round_cost("lookup", 3) == pytest.approx(c.verify(4))
+    p.result("drafter", 3, 3, 18)
+    p.timed(4, parts - b)  # the round drafted ahead, at its price; this one did not draft ahead
+    assert p.round_scale == pytest.approx(1.0)
+    assert p._round_cost("drafter", 3) == pytest.approx(parts)
+
+
+def test_a_drafter_that_drafts_ahead_is_judged_on_its_run_of_rounds():
+    """plain_reason with `ahead`: each round of the run is priced a bubble below its synchronised
+    parts instead of a bubble above them; on a launch-bound curve that turns the verdict."""
+    hidden = Costs(FLAT.widths, [t + 0.004 for t in FLAT.t_verify], t_draft=FLAT.t_draft, origin="given", t_plain=0.010)
+    assert pol.plain_reason(hidden, 7, drafter=True, measured_tau=2.4)
+    assert pol.plain_reason(hidden, 7, drafter=True, measured_tau=2.4, ahead=True) is None

@@ -158,6 +158,18 @@ class DrafterProposer(Proposer):
         }
 
     # ------------------------------------------------------------------ protocol
+    def runs_ahead(self) -> bool:
+        """Do this proposer's greedy drafter rounds draft the next block ahead (a compiled pass,
+        drafts left on the device, no confidence threshold)?"""
+        from ..models import compiled_draft
+
+        return (
+            self.draft_ahead
+            and self.device_drafts
+            and self.threshold <= 0
+            and compiled_draft.for_drafter(self.drafter) is not None
+        )
+
     def use_policy(self, policy: DraftPolicy) -> None:
         """Decide draft lengths with `policy` (decode/policy.py) from now on."""
         self._policy = self.policy = policy
@@ -231,6 +243,7 @@ class DrafterProposer(Proposer):
             return
         mx.async_eval(toks)
         self._ahead = (toks, base)
+        self.policy.drafted_ahead()
 
     def _compiled_draft(self, got: "_DrafterPass", lazy) -> Draft:
         """The Draft of a compiled greedy pass: left on the device where it may be, else read."""

@@ -62,7 +62,10 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
         return proposer, None  # MLX_DSPARK_CALIBRATION=off: the fixed rules
     cap = proposer.block_drafts if drafter is not None else lookup_long_draft
     if mode == "auto":
-        runs, said = auto_verdict(c, drafter, getattr(proposer, "lookup_drafts", False), lookup_long_draft)
+        runs_ahead = getattr(proposer, "runs_ahead", None)
+        runs, said = auto_verdict(
+            c, drafter, getattr(proposer, "lookup_drafts", False), lookup_long_draft, bool(runs_ahead and runs_ahead())
+        )
         if said:
             _say_once(said)
         if runs == "lookup" and drafter is not None:
@@ -75,18 +78,20 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
     return proposer, None
 
 
-def auto_verdict(c, drafter, lookup_drafts: bool = True, lookup_long_draft: int = 32) -> tuple[str, str | None]:
+def auto_verdict(
+    c, drafter, lookup_drafts: bool = True, lookup_long_draft: int = 32, ahead: bool = False
+) -> tuple[str, str | None]:
     """What `--mode auto` runs on the cost curve `c`: (the drafter's kind, "lookup" or
     "baseline"; what it says once, or None). A drafter drafts at most its block; lookup drafts are
     free, so where the drafter cannot pay (policy.plain_reason, weighed by what the registry
     records it earns on its typical domain) lookup alone may, if the drafter's proposer drafts
-    lookup too."""
+    lookup too. `ahead`: the drafter's rounds draft ahead (policy.plain_reason)."""
     from .policy import plain_reason
 
     if drafter is None:
         why = plain_reason(c, lookup_long_draft, False)
         return ("baseline", f"{why}: --mode auto runs plain decoding ({c.summary()})") if why else ("lookup", None)
-    why = plain_reason(c, drafter.block_drafts, True, _measured_tau(drafter))
+    why = plain_reason(c, drafter.block_drafts, True, _measured_tau(drafter), ahead)
     if not why:
         return drafter.kind, None
     if lookup_drafts and plain_reason(c, lookup_long_draft, False) is None:

@@ -110,6 +110,9 @@ class DraftPolicy:
         """The loop's wall time of one step that verified `width` tokens (1: a plain step; more:
         the round of the last `result`, its drafter pass included)."""
 
+    def drafted_ahead(self) -> None:
+        """The round in flight drafted the next block ahead (decode/drafting.py's before_accept)."""
+
     def prefer_lookup(self, lookup_len: int, depth: int, drafter_len: int) -> bool:
         """Hybrid proposers: spend this round on the free lookup draft rather than the drafter?"""
         return depth >= HYBRID_MIN_DEPTH
@@ -252,27 +255,48 @@ class CostPolicy(DraftPolicy):
         self.plain_rate = 1.0 / costs.plain
         self._after_round = False  # the last timed step was a round: the next one breaks no pipeline
         self._bubble = costs.bubble  # read once: `best` prices every width of every offer with it
+        # The proposer drafts the next block ahead (decode/drafting.py's before_accept: a compiled
+        # pass on the device): a drafter round that follows one hides the next verify's build
+        # behind the pass and the pass's behind the verify, so it pays one synchronised step's
+        # host share (the bubble) less than its two synchronised parts.
+        self._ahead_noted = False  # this round drafted the next block ahead (`drafted_ahead`)
+        self._ahead_next = False  # the last timed step was a round that drafted ahead
 
     def _draft_cost(self, source: str) -> float:
         return (self.costs.t_draft or 0.0) if source == "drafter" else 0.0
 
+    def _overlap(self, source: str) -> float:
+        """What a round of `source` pays beyond its synchronised parts, by what came before it."""
+        if source == "drafter" and self._ahead_next:
+            return -self._bubble
+        return 0.0 if self._after_round else self._bubble
+
     def _round_cost(self, source: str, k: int) -> float:
-        bubble = 0.0 if self._after_round else self._bubble
-        return (self._draft_cost(source) + self.costs.verify(k + 1) + bubble) * self.round_scale
+        base = self._draft_cost(source) + self.costs.verify(k + 1)
+        return max(base + self._overlap(source), 0.5 * base) * self.round_scale
 
     def rate(self, source: str, k: int, depth: int = 0) -> float:
         return self.slots[self._kind(source, depth)].tau(k) / self._round_cost(source, k)
 
     def timed(self, width: int, seconds: float) -> None:
+        """A step's wall time (`width` 1: a pipelined plain step), against the model's price for
+        it as it came (after a round or after plain steps), so the bubble is never learnt as a
+        scale of the curve."""
         lo, hi = LIVE_RANGE
-        self._after_round = width > 1
         if width <= 1:
             x = seconds / self.costs.plain
             self.plain_scale += LIVE_ALPHA * (min(max(x, lo), hi) - self.plain_scale)
             self.plain_rate = 1.0 / (self.costs.plain * self.plain_scale)
         else:
-            x = seconds / (self._draft_cost(self._last_source) + self.costs.verify(width))
+            src = self._last_source
+            base = self._draft_cost(src) + self.costs.verify(width)
+            x = seconds / max(base + self._overlap(src), 0.5 * base)
             self.round_scale += LIVE_ALPHA * (min(max(x, lo), hi) - self.round_scale)
+        self._after_round = width > 1
+        self._ahead_next, self._ahead_noted = width > 1 and self._ahead_noted, False
+
+    def drafted_ahead(self) -> None:
+        self._ahead_noted = True
 
     @staticmethod
     def _kind(source: str, depth: int) -> str:
@@ -402,7 +426,9 @@ def slot_acceptance(tau: float, k: int) -> float:
     return lo
 
 
-def plain_reason(costs: Costs, cap: int, drafter: bool, measured_tau: float | None = None) -> str | None:
+def plain_reason(
+    costs: Costs, cap: int, drafter: bool, measured_tau: float | None = None, ahead: bool = False
+) -> str | None:
     """Why speculation does not pay here, or None when it does. Two questions, by what is known:
     * Unmeasured acceptance: can any round beat plain decoding, at BEST_CASE_P per slot and the
       best width, by BEST_CASE_GAIN? (A verify of 2 that costs ~2x one of 1 says no.)
@@ -414,12 +440,20 @@ def plain_reason(costs: Costs, cap: int, drafter: bool, measured_tau: float | No
       place, takes the repetitive text for free. This verdict rests on acceptance measured
       rather than on a ceiling, so calibration noise does not flip it: on the demo pair's curves
       in tests/test_policy.py it is 0.95x on an H100 and 1.29x on a CPU with OpenBLAS.
-    Both weigh each round with the pipeline's bubble (`Costs.bubble`), as the policy does."""
+    Both weigh each round with the pipeline's bubble (`Costs.bubble`), as the policy does a round
+    among plain steps; a drafter that drafts `ahead` (a compiled pass on the device) is judged on
+    its run of rounds, each a bubble below its two synchronised parts (CostPolicy._overlap)."""
     typical = bool(drafter and measured_tau)
     p = slot_acceptance(measured_tau, max(1, cap)) if typical else BEST_CASE_P
     s = _Slots(p)
     t_d = (costs.t_draft or 0.0) if drafter else 0.0
-    best = max(s.tau(k) / (t_d + costs.verify(k + 1) + costs.bubble) for k in range(1, max(1, cap) + 1))
+    over = -costs.bubble if (drafter and ahead) else costs.bubble
+
+    def price(k: int) -> float:
+        base = t_d + costs.verify(k + 1)
+        return max(base + over, 0.5 * base)
+
+    best = max(s.tau(k) / price(k) for k in range(1, max(1, cap) + 1))
     gain = best * costs.plain
     if gain >= (TYPICAL_GAIN if typical else BEST_CASE_GAIN):
         return None

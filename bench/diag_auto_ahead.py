@@ -1,0 +1,78 @@
+"""What `--max-draft auto` makes of DSpark on this machine, against fixed blocks with and without
+drafting ahead (decode/drafting.py's before_accept), in one warm process: per prompt and repetition,
+baseline, `--mode auto` and `--mode dspark` (both with the CLI's default `--max-draft auto`), and `--mode dspark
+--max-draft 7` with draft-ahead on and off; tok/s of the decode, the ratio to baseline of the same
+repetition, drafter / ahead / lookup rounds and the live round scale; every run's ids and text
+checked equal to baseline. The calibrated curve is printed once.
+
+  python bench/diag_auto_ahead.py --model GGUF [--dtype bfloat16] [--tokens 192] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+PROMPTS = {
+    "code": "Write a Python function that merges two sorted lists into one sorted list.",
+    "chat": "Explain in a few sentences why the sky is blue.",
+    "math": "What is the sum of the first 100 positive integers? Show your reasoning.",
+}
+RUNS = (
+    ("auto", {"mode": "auto", "max_draft": "auto"}, True),
+    ("dspark-auto", {"mode": "dspark", "max_draft": "auto"}, True),
+    ("k7", {"mode": "dspark", "max_draft": 7}, True),
+    ("k7-noahead", {"mode": "dspark", "max_draft": 7}, False),
+)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tokens", type=int, default=192)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    import mlx_dspark as md
+    from mlx_dspark.api import drafter_for, start
+    from mlx_dspark.decode.drafting import DrafterProposer
+    from mlx_dspark.models.loading import load_target
+
+    t, tok = load_target(args.model, dtype=args.dtype)
+    d = drafter_for(t, "dspark")
+    shown = False
+    for name, text in PROMPTS.items():
+        ids = md.encode_prompt(tok, text)
+        for rep in range(args.reps):
+            b = md.generate(t, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=args.tokens)
+            row = [f"{name} {rep}", f"baseline {b.decode_tps:.0f}"]
+            for label, kw, ahead in RUNS:
+                DrafterProposer.draft_ahead = ahead
+                tg = start(t, tok, None, prompt_ids=ids, drafter=d, max_new_tokens=args.tokens, **kw)
+                r = tg.run()
+                s = r.stats
+                if r.tokens != b.tokens or r.text != b.text:
+                    raise SystemExit(f"{label} on {name}: not baseline's ids and text")
+                row.append(
+                    f"{label} {r.decode_tps:.0f} ({r.decode_tps / b.decode_tps:.2f}x; drafter {s.get('drafter_rounds')}"
+                    f" ahead {s.get('ahead_rounds')} lookup {s.get('lookup_rounds')}"
+                    f" scale {s.get('live_round_scale')})"
+                )
+                policy = getattr(tg.generation.proposer, "policy", None)
+                if not shown and getattr(policy, "costs", None) is not None:
+                    c, shown = policy.costs, True
+                    print(
+                        f"curve: plain {c.plain * 1e3:.2f} ms, bubble {c.bubble * 1e3:.2f}, drafter pass "
+                        f"{(c.t_draft or 0) * 1e3:.2f}, verify w1 {c.verify(1) * 1e3:.2f}, w8 {c.verify(8) * 1e3:.2f}",
+                        flush=True,
+                    )
+            DrafterProposer.draft_ahead = True
+            print(" | ".join(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
