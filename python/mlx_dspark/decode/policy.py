@@ -23,7 +23,8 @@ CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decod
   average per slot and per source, from a prior). Each round takes the k that maximizes it,
   compared with plain decoding's 1 / t_plain (a pipelined step). A round that follows plain steps
   also pays `Costs.bubble`: the step after it is built while the device waits, which plain
-  decoding hides (t_verify(1) - t_plain); a round that follows a round does not. Where no k beats
+  decoding hides (t_verify(1) - t_plain); a round that follows a round does not, and a drafter
+  round whose block was drafted ahead (decode/drafting.py) pays a bubble less. Where no k beats
   plain by MARGIN, the source parks: the loop takes pipelined plain steps, and a probe round
   every `park` tokens (doubling from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN
   when one wins) keeps p_i live.
@@ -255,10 +256,10 @@ class CostPolicy(DraftPolicy):
         self.plain_rate = 1.0 / costs.plain
         self._after_round = False  # the last timed step was a round: the next one breaks no pipeline
         self._bubble = costs.bubble  # read once: `best` prices every width of every offer with it
-        # The proposer drafts the next block ahead (decode/drafting.py's before_accept: a compiled
-        # pass on the device): a drafter round that follows one hides the next verify's build
-        # behind the pass and the pass's behind the verify, so it pays one synchronised step's
-        # host share (the bubble) less than its two synchronised parts.
+        # Where a round drafted the next block ahead (the proposer says so: `drafted_ahead`;
+        # decode/drafting.py's before_accept, a compiled pass on the device), the drafter round
+        # after it hides its verify's build behind the pass and the pass's behind the verify before
+        # it: it pays one synchronised step's host share (the bubble) less than its two parts.
         self._ahead_noted = False  # this round drafted the next block ahead (`drafted_ahead`)
         self._ahead_next = False  # the last timed step was a round that drafted ahead
 
