@@ -52,11 +52,14 @@ def test_cost_policy_parks_a_losing_source_then_probes_with_doubling_gaps():
     assert p.ready("drafter", 100 + pol.PROBE_MIN)
     n = 100 + pol.PROBE_MIN
     assert p.worth_trying("drafter", 7, n)
-    k = p.length("drafter", 7, n)  # a probe round
+    k = p.length("drafter", 7, n)  # a probe: two rounds in a row for a drafter
     assert k >= 1 and p.counts["probe_rounds"] == 1
-    p.result("drafter", k, 0, n + 1)  # the probe lost: the next gap doubles
-    assert not p.ready("drafter", n + 1 + 2 * pol.PROBE_MIN - 1)
-    assert p.ready("drafter", n + 1 + 2 * pol.PROBE_MIN)
+    p.result("drafter", k, 0, n + 1)
+    assert p.ready("drafter", n + 1) and p.length("drafter", 7, n + 1) >= 1  # its second round
+    p.result("drafter", k, 0, n + 2)  # the probe lost: the next gap doubles
+    assert p.counts["probe_rounds"] == 1
+    assert not p.ready("drafter", n + 2 + 2 * pol.PROBE_MIN - 1)
+    assert p.ready("drafter", n + 2 + 2 * pol.PROBE_MIN)
 
 
 def test_cost_policy_parks_a_losing_source_when_asked_whether_to_try_it():
@@ -107,24 +110,53 @@ OPENBLAS = Costs(
 
 def test_one_lucky_probe_does_not_resume_a_losing_drafter():
     """A chat prompt the demo drafter cannot draft (auto-cpu.md, fifteenth session): its first round
-    lost all 5 drafts; a probe that then gets 3 of 5 right leaves it just above break-even (a round
-    after plain steps pays the pipeline's bubble too). It must stay parked (the gap doubles) rather
-    than resume and lose round after round. A probe that gets every draft right resumes it at once."""
+    lost all 5 drafts. A drafter's probe is two rounds in a row: a lucky first round (3 of 5) and a
+    losing second one (0 of 5) leave it below the resume margin, so it stays parked (the gap
+    doubles) rather than resume and lose round after round. A probe whose rounds get every draft
+    right resumes it."""
     p = pol.CostPolicy(OPENBLAS, cap=32)
     assert p.worth_trying("drafter", 7, 42) and p.length("drafter", 7, 42) == 5  # the prior's round
     p.result("drafter", 5, 0, 43)
     assert not p.worth_trying("drafter", 7, 44)  # parked
     n = 44 + pol.PROBE_MIN
     assert p.worth_trying("drafter", 7, n) and p.length("drafter", 7, n) >= 1
-    p.result("drafter", 5, 3, n + 4)
-    _, r = p.best("drafter", 7)
-    assert pol.MARGIN * p.plain_rate <= r < pol.RESUME_MARGIN * p.plain_rate  # break-even, not a win
-    assert not p.ready("drafter", n + 4 + 2 * pol.PROBE_MIN - 1)  # still parked, its gap doubled
-    m = n + 4 + 2 * pol.PROBE_MIN
+    p.result("drafter", 5, 3, n + 4)  # lucky
+    assert p.ready("drafter", n + 4) and p.length("drafter", 7, n + 4) >= 1  # the probe's second round
+    p.result("drafter", 5, 0, n + 5)
+    _, r = p.best("drafter", 7, steady=True)
+    assert r < pol.RESUME_MARGIN * p.plain_rate  # not a win, even priced as a run of rounds
+    assert not p.ready("drafter", n + 5 + 2 * pol.PROBE_MIN - 1)  # still parked, its gap doubled
+    m = n + 5 + 2 * pol.PROBE_MIN
     assert p.worth_trying("drafter", 7, m) and p.length("drafter", 7, m) >= 1  # the next probe
     p.result("drafter", 5, 5, m + 6)
-    assert p.worth_trying("drafter", 7, m + 7) and p.length("drafter", 7, m + 7) > 0  # resumed
+    assert p.length("drafter", 7, m + 6) >= 1
+    p.result("drafter", 5, 5, m + 12)
+    assert p.worth_trying("drafter", 7, m + 13) and p.length("drafter", 7, m + 13) > 0  # resumed
     assert p.counts["probe_rounds"] == 2
+
+
+def test_a_drafter_probe_is_judged_as_the_run_of_rounds_it_would_start():
+    """On a launch-bound curve (a large bubble), a drafter that wins its runs of rounds loses its
+    lone round among plain steps. Judged on its probe's first round with that round's bubble it
+    would stay parked; judged after the probe's second round as a run (no bubble, and a bubble
+    less where that round drafted ahead), it resumes."""
+    c = Costs(
+        [1, 2, 4, 8, 16], [0.0035, 0.0036, 0.0038, 0.0045, 0.0070], t_draft=0.0025, origin="given", t_plain=0.0025
+    )
+    p = pol.CostPolicy(c, cap=16)
+    assert not p.worth_trying("drafter", 7, 10)  # the prior's rate, with the bubble: parked
+    n = 10 + pol.PROBE_MIN
+    k = p.length("drafter", 7, n)
+    assert k >= 1
+    p.result("drafter", k, 4, n + 5)
+    _, lone = p.best("drafter", 7)  # priced as a round among plain steps
+    assert lone < pol.RESUME_MARGIN * p.plain_rate
+    p.timed(k + 1, c.t_draft + c.verify(k + 1) + c.bubble)
+    assert p.length("drafter", 7, n + 5) >= 1  # the probe's second round
+    p.drafted_ahead()
+    p.result("drafter", k, 4, n + 10)
+    assert p.ready("drafter", n + 11) and p.length("drafter", 7, n + 11) > 0  # resumed
+    assert p.counts["probe_rounds"] == 1
 
 
 def test_cost_policy_learns_acceptance_per_slot():

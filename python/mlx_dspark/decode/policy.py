@@ -25,9 +25,11 @@ CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decod
   also pays `Costs.bubble`: the step after it is built while the device waits, which plain
   decoding hides (t_verify(1) - t_plain); a round that follows a round does not, and a drafter
   round whose block was drafted ahead (decode/drafting.py) pays a bubble less. Where no k beats
-  plain by MARGIN, the source parks: the loop takes pipelined plain steps, and a probe round
-  every `park` tokens (doubling from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN
-  when one wins) keeps p_i live.
+  plain by MARGIN, the source parks: the loop takes pipelined plain steps, and a probe every
+  `park` tokens (doubling from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN when one
+  wins) keeps p_i live: one round for lookup, two in a row for a drafter (PROBE_ROUNDS), judged
+  after the second as the run of rounds it would start (no bubble; a bubble less where the
+  second drafted ahead), so a drafter that wins its runs is not kept parked by its probes' price.
   A probe "wins" only when it leaves the source RESUME_MARGIN ahead: one lucky draft must not
   resume a source that then loses several rounds in a row (hysteresis). The curve is corrected
   live: the loop reports each step's wall time (`timed`; a round's from the moment the token
@@ -78,6 +80,10 @@ RESUME_MARGIN = 1.10  # a parked source resumes when a probe leaves it 10% ahead
 LIVE_ALPHA = 0.1  # live cost correction: the weight of one timed step
 LIVE_RANGE = (0.5, 2.0)  # bounds of a live correction (a step that hit a pause or a first-call cost)
 PROBE_MIN, PROBE_MAX = 16, 256
+# Rounds in a row per probe, by source. A drafter's probe is two rounds: the first follows plain
+# steps (it pays the bubble and has no block drafted ahead), the second is priced as the run of
+# rounds a resume would start; the resume is judged after it, on both rounds' acceptance.
+PROBE_ROUNDS = {"drafter": 2}
 CONF_MAX = 0.98  # a confidence is capped here: no slot is a sure thing
 BEST_CASE_P = 0.9  # plain_reason: acceptance no real drafter beats, per slot
 BEST_CASE_GAIN = 1.25  # plain_reason: what the best case must gain over plain decoding
@@ -234,7 +240,7 @@ class _Slots:
 class _Park:
     until: int = 0
     every: int = PROBE_MIN
-    probing: bool = False
+    probing: int = 0  # rounds left in the probe under way
 
 
 class CostPolicy(DraftPolicy):
@@ -266,15 +272,18 @@ class CostPolicy(DraftPolicy):
     def _draft_cost(self, source: str) -> float:
         return (self.costs.t_draft or 0.0) if source == "drafter" else 0.0
 
-    def _overlap(self, source: str) -> float:
-        """What a round of `source` pays beyond its synchronised parts, by what came before it."""
+    def _overlap(self, source: str, steady: bool = False) -> float:
+        """What a round of `source` pays beyond its synchronised parts, by what came before it
+        (`steady`: a round that follows the round in flight, drafted ahead if that one was)."""
+        if steady:
+            return -self._bubble if source == "drafter" and self._ahead_noted else 0.0
         if source == "drafter" and self._ahead_next:
             return -self._bubble
         return 0.0 if self._after_round else self._bubble
 
-    def _round_cost(self, source: str, k: int) -> float:
+    def _round_cost(self, source: str, k: int, steady: bool = False) -> float:
         base = self._draft_cost(source) + self.costs.verify(k + 1)
-        return max(base + self._overlap(source), 0.5 * base) * self.round_scale
+        return max(base + self._overlap(source, steady), 0.5 * base) * self.round_scale
 
     def rate(self, source: str, k: int, depth: int = 0) -> float:
         return self.slots[self._kind(source, depth)].tau(k) / self._round_cost(source, k)
@@ -303,15 +312,16 @@ class CostPolicy(DraftPolicy):
     def _kind(source: str, depth: int) -> str:
         return "lookup-long" if source == "lookup" and depth >= LONG_DEPTH else source
 
-    def best(self, source: str, offered: int, depth: int = 0) -> tuple[int, float]:
+    def best(self, source: str, offered: int, depth: int = 0, steady: bool = False) -> tuple[int, float]:
         """The k that maximizes `rate` and that rate (tau(k) summed as k grows, not anew per k: this
-        runs on every plain step where a source may draft)."""
+        runs on every plain step where a source may draft); `steady`: priced as a round after the
+        one in flight (`_overlap`)."""
         s = self.slots[self._kind(source, depth)]
         best_k, best_r, tau, run = 0, 0.0, 1.0, 1.0
         for k in range(1, min(offered, self.cap) + 1):
             run *= s.get(k - 1)
             tau += run
-            r = tau / self._round_cost(source, k)
+            r = tau / self._round_cost(source, k, steady)
             if r > best_r:
                 best_k, best_r = k, r
         return best_k, best_r
@@ -338,10 +348,11 @@ class CostPolicy(DraftPolicy):
         if park.until > 0:
             if n_hist < park.until:
                 return 0
-            # a probe round: the parked source is tried once to keep its acceptance live; `result`
-            # resumes it only if it is then RESUME_MARGIN ahead
-            park.probing = True
-            self.counts["probe_rounds"] += 1
+            # a probe: the parked source is tried (PROBE_ROUNDS rounds in a row) to keep its
+            # acceptance live; `result` resumes it only if it is then RESUME_MARGIN ahead
+            if not park.probing:
+                park.probing = PROBE_ROUNDS.get(source, 1)
+                self.counts["probe_rounds"] += 1
             return max(k, 1)
         if k and r >= MARGIN * self.plain_rate:
             return k
@@ -356,8 +367,11 @@ class CostPolicy(DraftPolicy):
         self.slots[self._kind(source, depth)].update(proposed, accepted)
         park = self.parks[source]
         if park.probing:
-            park.probing = False
-            k, r = self.best(source, max(proposed, 1), depth)
+            park.probing -= 1
+            if park.probing:
+                return  # the probe's next round follows (its gap has passed: `ready`)
+            steady = PROBE_ROUNDS.get(source, 1) > 1  # judged as the run of rounds it would start
+            k, r = self.best(source, max(proposed, 1), depth, steady)
             if k and r >= RESUME_MARGIN * self.plain_rate:
                 park.every, park.until = PROBE_MIN, 0
             else:
