@@ -326,8 +326,17 @@ class DrafterProposer(Proposer):
 
     def _prepare(self, history: Sequence[int], max_draft: int, sampling):
         """What propose() decides before the drafter runs: a final Draft (empty, or lookup's), or
-        the drafter pass to run (_DrafterPass)."""
+        the drafter pass to run (_DrafterPass), which takes the block drafted ahead where one is
+        waiting and it may (no new rows, no cut: a greedy pass from the cache as it stands)."""
         ahead = self._take_ahead()
+        got = self._decide(history, max_draft, sampling)
+        if isinstance(got, _DrafterPass) and ahead is not None:
+            if got.rows is None and not got.cut and self.threshold <= 0 and _lazy_argmax(sampling):
+                got.ahead, ahead = ahead, None
+        self._drop(ahead)
+        return got
+
+    def _decide(self, history: Sequence[int], max_draft: int, sampling):
         anchor_pos = len(history) - 1
         if self.state[0].offset + self.n_pending != anchor_pos:
             raise RuntimeError(
@@ -335,30 +344,25 @@ class DrafterProposer(Proposer):
                 f"pending rows for an anchor at position {anchor_pos}"
             )
         if max_draft <= 0:
-            self._drop(ahead)
             return Draft()
         self._n_hist = len(history)
         draft = self._lookup_draft(history, max_draft)
         if draft is not None:
-            self._drop(ahead)
             return draft
         self.last_lookup = False
         n = len(history)
         if not self.policy.ready("drafter", n):
-            self._drop(ahead)
             return Draft()
         offered = min(max_draft, self.block_drafts)
         max_draft = self.policy.length("drafter", offered, n)
         if max_draft <= 0:
-            self._drop(ahead)
             return Draft()
         cut = self._cuts(sampling)
         if cut:  # the whole block is drafted; its confidences decide how much of it to verify
             max_draft = offered
-        rows = self._take_rows()
-        if ahead is not None and (rows is not None or cut or self.threshold > 0 or not _lazy_argmax(sampling)):
-            ahead = self._drop(ahead)
-        return _DrafterPass(time.perf_counter(), history[-1], rows, max_draft, sampling, list(history), cut, ahead)
+        return _DrafterPass(
+            time.perf_counter(), history[-1], self._take_rows(), max_draft, sampling, list(history), cut
+        )
 
     def _take_ahead(self) -> mx.array | None:
         ahead, self._ahead_ready = self._ahead_ready, None

@@ -236,7 +236,7 @@ class Generation:
         self.prefilled = False
         self.done = False
         self.solo = False  # inside step(): a round's proposer may draft ahead (not in a batch)
-        self._ahead = type(self.proposer).before_accept is not Proposer.before_accept
+        self._may_draft_ahead = type(self.proposer).before_accept is not Proposer.before_accept
 
     # ------------------------------------------------------------------ driving
     def __iter__(self):
@@ -465,7 +465,7 @@ class Generation:
         lazy = None
         enqueue = getattr(self.acceptor, "enqueue", None)
         room = self.max_new_tokens - len(self.res.tokens)  # a round after this one needs 3 or more
-        if self._ahead and self.solo and taps and enqueue is not None and room > 2:
+        if self._may_draft_ahead and self.solo and taps and enqueue is not None and room > 2:
             # the accept point, lazy: the proposer may draft the next block on it before it is read
             lazy = enqueue(out.logits[0], draft)
             self.proposer.before_accept(out.hidden[0], *lazy)
