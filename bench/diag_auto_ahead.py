@@ -58,8 +58,9 @@ def main() -> int:
                     raise SystemExit(f"{label} on {name}: not baseline's ids and text")
                 row.append(
                     f"{label} {r.decode_tps:.0f} ({r.decode_tps / b.decode_tps:.2f}x; drafter {s.get('drafter_rounds')}"
-                    f" ahead {s.get('ahead_rounds')} lookup {s.get('lookup_rounds')}"
-                    f" scale {s.get('live_round_scale')})"
+                    f" acc {s.get('drafter_accepted', 0) / max(1, s.get('drafter_rounds') or 0):.2f}"
+                    f" ahead {s.get('ahead_rounds')} unused {s.get('ahead_unused')} lookup {s.get('lookup_rounds')}"
+                    f" probe {s.get('probe_rounds')} scale {s.get('live_round_scale')}/{s.get('live_steady_scale')})"
                 )
                 policy = getattr(tg.generation.proposer, "policy", None)
                 if not shown and getattr(policy, "costs", None) is not None:

@@ -116,6 +116,29 @@ def test_a_dropped_block_after_a_plain_step(monkeypatch):
     assert res.stats["ahead_rounds"] > 0 and res.stats["ahead_unused"] > 0
 
 
+def test_no_block_is_drafted_ahead_where_the_policy_expects_no_round(monkeypatch):
+    """A round during which the policy says the next step will not be a round of the drafter
+    (`continues`) drafts nothing ahead: no block would be left to hold the device in front of the
+    plain step. The rounds it does expect still draft ahead, and the output is plain decoding's."""
+    target, tok, d = pair("target_perm", "perm_dspark_noisy", monkeypatch)
+    base = md.generate(target, tok, None, prompt_ids=PROMPT, mode="baseline", max_new_tokens=60)
+    tg = start(target, tok, None, prompt_ids=PROMPT, mode="dspark", drafter=d, max_new_tokens=60, lookup_drafts=False)
+    tg.generation.step()  # the prefill (begin() sets the proposer's policy up)
+    policy = tg.generation.proposer.policy
+    asked = []
+
+    def continues(source, offered):  # every other round: "no round after this one"
+        asked.append(source)
+        return len(asked) % 2 == 0
+
+    monkeypatch.setattr(policy, "continues", continues, raising=False)
+    res = tg.run()
+    assert res.tokens == base.tokens and res.text == base.text
+    assert len(asked) >= 4 and set(asked) == {"drafter"}
+    drafted = res.stats["ahead_rounds"] + res.stats["ahead_unused"]
+    assert 0 < drafted <= (len(asked) + 1) // 2
+
+
 def test_a_batch_does_not_draft_ahead(monkeypatch):
     """Rows stepped together (decode/batch.py) draft their next blocks together, after the accept
     points: none drafts ahead while another row shares its step; a row left alone steps as a

@@ -506,8 +506,86 @@ def test_rounds_are_priced_and_timed_by_what_came_before_them():
     assert p._round_cost("lookup", 3) == pytest.approx(c.verify(4))
     p.result("drafter", 3, 3, 18)
     p.timed(4, parts - b)  # the round drafted ahead, at its price; this one did not draft ahead
-    assert p.round_scale == pytest.approx(1.0)
+    assert p.round_scale == pytest.approx(1.0) and p.steady_scale == pytest.approx(1.0)
     assert p._round_cost("drafter", 3) == pytest.approx(parts)
+
+
+def test_a_run_of_rounds_has_its_own_live_scale():
+    """Rounds that follow rounds and rounds that follow plain steps are corrected apart: a run
+    whose rounds take 30% below their price (a block drafted ahead hides more than the model's
+    bubble) teaches the steady scale, and a round among plain steps keeps its own price."""
+    c = Costs(FLAT.widths, FLAT.t_verify, t_draft=FLAT.t_draft, origin="given", t_plain=FLAT.verify(1) - 0.002)
+    p = pol.CostPolicy(c, cap=8)
+    parts = c.t_draft + c.verify(4)
+    p.timed(1, c.plain)
+    p.result("drafter", 3, 3, 10)
+    p.timed(4, parts + c.bubble)  # the run's first round, at its price
+    for i in range(60):
+        p.result("drafter", 3, 3, 14 + 4 * i)
+        p.timed(4, 0.7 * parts)
+    assert p.steady_scale == pytest.approx(0.7, rel=0.02) and p.round_scale == pytest.approx(1.0)
+    assert p._round_cost("drafter", 3) == pytest.approx(0.7 * parts, rel=0.02)
+    assert p.best("drafter", 3, steady=True)[1] == pytest.approx(4 / (0.7 * parts), rel=0.05)
+    p.timed(1, c.plain)
+    assert p._round_cost("drafter", 3) == pytest.approx(parts + c.bubble)
+    assert p.stats()["live_steady_scale"] == pytest.approx(0.7, rel=0.02)
+
+
+def test_the_next_round_is_expected_only_where_it_would_be_taken():
+    """continues(), asked during a round before its result (decode/drafting.py drafts the next
+    block ahead only on a yes): a drafter that wins, yes; one whose acceptance fell below what a
+    run of rounds needs, no; a parked source, no; a probe's first round, yes (its second round
+    follows); its last round, only if it would resume."""
+    p = pol.CostPolicy(FLAT, cap=8)
+    assert p.continues("drafter", 7)
+    for n in range(30):
+        p.result("drafter", 7, 0, n)
+    assert not p.continues("drafter", 7)
+    assert p.length("drafter", 7, 40) == 0  # parked
+    assert not p.continues("drafter", 7)
+    n = 40 + pol.PROBE_MIN
+    assert p.length("drafter", 7, n) >= 1
+    assert p.continues("drafter", 7)  # the probe's first round: its second follows
+    p.result("drafter", 1, 0, n)
+    assert p.length("drafter", 7, n + 1) >= 1
+    assert not p.continues("drafter", 7)  # the probe's last round, and it would not resume
+    p.result("drafter", 1, 0, n + 1)
+    assert not p.ready("drafter", n + 2)
+
+
+# A launch-bound GPU (an H100, bf16 demo pair, session 26's calibration): a plain step 2.49 ms,
+# a synchronised verify of 1 token 3.27 ms (the bubble 0.78), 8 tokens 4.48, a drafter pass 2.74.
+H100 = Costs(
+    [1, 2, 4, 8, 16], [0.00327, 0.00345, 0.00375, 0.00448, 0.00700], t_draft=0.00274, origin="given", t_plain=0.00249
+)
+
+
+def test_a_drafter_known_to_pay_starts_with_a_run_of_rounds():
+    """At the answer's start nothing is measured. With the generic prior the drafter starts
+    parked on a launch-bound curve; with what the registry records it earns (3.20 tokens a round
+    for the demo drafter, `slot_acceptance`) it starts drafting: its start is judged as the run of
+    rounds it begins (drafted ahead: a bubble below its parts), and the round worth_trying lets
+    in is the round length takes (no synchronous plain step declined after a read-back)."""
+    generic = pol.CostPolicy(H100, cap=16, ahead=True)
+    assert not generic.worth_trying("drafter", 7, 10)
+    known = pol.CostPolicy(H100, cap=16, drafter_prior=pol.slot_acceptance(3.2, 7), ahead=True)
+    assert known.best("drafter", 7)[1] < pol.MARGIN * known.plain_rate  # a lone round among plain steps loses
+    assert known.worth_trying("drafter", 7, 10)
+    assert known.length("drafter", 7, 10) >= 5
+
+
+def test_auto_gives_the_policy_the_registered_acceptance_and_whether_it_drafts_ahead(monkeypatch):
+    monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: FLAT)
+    tgt, tok, d, prompt = _perm_pair(3)
+    prop = modes.make_proposer("dspark", drafter=d)
+    monkeypatch.setattr(modes, "_measured_tau", lambda drafter: 3.2)
+    monkeypatch.setattr(type(prop), "runs_ahead", lambda self: True)
+    prop, _ = modes.apply_auto(tgt, prop, "dspark")
+    assert prop.policy.slots["drafter"].prior == pytest.approx(pol.slot_acceptance(3.2, d.block_drafts))
+    assert prop.policy._ahead_seen
+    monkeypatch.setattr(modes, "_measured_tau", lambda drafter: None)
+    prop, _ = modes.apply_auto(tgt, modes.make_proposer("dspark", drafter=d), "dspark")
+    assert prop.policy.slots["drafter"].prior == pol.PRIOR["drafter"]
 
 
 def test_a_drafter_that_drafts_ahead_is_judged_on_its_run_of_rounds():

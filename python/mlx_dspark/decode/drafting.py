@@ -219,7 +219,8 @@ class DrafterProposer(Proposer):
         length base + accepted + 1, the rows past it masked. The pass is enqueued behind the
         verify, so the host builds it while the verify runs, and builds the next verify while it
         runs. observe() crops the context to the accept point; _prepare uses the block if the
-        next round is a drafter round, else drops it (its device time is lost)."""
+        next round is a drafter round, else drops it (its device time is lost): so only where the
+        policy expects one (`continues`)."""
         from ..models import compiled_draft
 
         self._ahead = self._ahead_ready = None
@@ -231,6 +232,7 @@ class DrafterProposer(Proposer):
             or self.n_pending
             or compiled is None
             or compiled.eager < compiled_draft.EAGER_PASSES
+            or not self.policy.continues("drafter", self.block_drafts)
         ):
             return
         base = self.state[0].offset

@@ -52,7 +52,7 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
     speculation cannot pay here, replace it by plain decoding (said once). Returns (proposer, None):
     the loop's cap then comes from the proposer as for the default."""
     from . import costs as cost_curves
-    from .policy import CostPolicy
+    from .policy import CostPolicy, slot_acceptance
 
     if not hasattr(proposer, "use_policy"):
         return proposer, None  # baseline, or a caller's own proposer
@@ -61,11 +61,10 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
     if c is None:
         return proposer, None  # MLX_DSPARK_CALIBRATION=off: the fixed rules
     cap = proposer.block_drafts if drafter is not None else lookup_long_draft
+    runs_ahead = getattr(proposer, "runs_ahead", None)
+    ahead = bool(runs_ahead and runs_ahead())
     if mode == "auto":
-        runs_ahead = getattr(proposer, "runs_ahead", None)
-        runs, said = auto_verdict(
-            c, drafter, getattr(proposer, "lookup_drafts", False), lookup_long_draft, bool(runs_ahead and runs_ahead())
-        )
+        runs, said = auto_verdict(c, drafter, getattr(proposer, "lookup_drafts", False), lookup_long_draft, ahead)
         if said:
             _say_once(said)
         if runs == "lookup" and drafter is not None:
@@ -74,7 +73,9 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
             return proposer, None
         if runs == "baseline":
             return Proposer(), None
-    proposer.use_policy(CostPolicy(c, cap=max(cap, lookup_long_draft)))
+    tau = _measured_tau(drafter)
+    prior = slot_acceptance(tau, drafter.block_drafts) if tau and drafter is not None else None
+    proposer.use_policy(CostPolicy(c, cap=max(cap, lookup_long_draft), drafter_prior=prior, ahead=ahead))
     return proposer, None
 
 

@@ -20,12 +20,15 @@ FixedPolicy (`max_draft` an integer, or the Python API's default None): the rule
 CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decode/costs.py)
   tok/s = tau(k) / (t_draft + t_verify(k + 1)), tau(k) = 1 + sum_{j<=k} prod_{i<=j} p_i,
   with p_i the live acceptance of draft slot i given slot i-1 was accepted (an exponential
-  average per slot and per source, from a prior). Each round takes the k that maximizes it,
+  average per slot and per source, from a prior: for a drafter the registry has measured, the
+  per-slot acceptance of what it earns on its typical domain). Each round takes the k that maximizes it,
   compared with plain decoding's 1 / t_plain (a pipelined step). A round that follows plain steps
   also pays `Costs.bubble`: the step after it is built while the device waits, which plain
   decoding hides (t_verify(1) - t_plain); a round that follows a round does not, and a drafter
   round whose block was drafted ahead (decode/drafting.py) pays a bubble less. Where no k beats
-  plain by MARGIN, the source parks: the loop takes pipelined plain steps, and a probe every
+  plain by MARGIN, the source parks (a drafter at the answer's start, among plain steps, is judged
+  on the run of rounds it would begin: the first round's bubble is paid once): the loop takes pipelined
+  plain steps, and a probe every
   `park` tokens (doubling from PROBE_MIN to PROBE_MAX while probes lose, back to PROBE_MIN when one
   wins) keeps p_i live: one round for lookup, two in a row for a drafter (PROBE_ROUNDS), judged
   after the second as the run of rounds it would start (no bubble; a bubble less where the
@@ -34,8 +37,11 @@ CostPolicy (`--max-draft auto`, the CLI default): the measured cost model (decod
   resume a source that then loses several rounds in a row (hysteresis). The curve is corrected
   live: the loop reports each step's wall time (`timed`; a round's from the moment the token
   before it is read back, as the calibration times a synchronised forward), and an exponential
-  average of measured over calibrated cost, one for rounds and one for plain steps, scales the
-  two sides.
+  average of measured over calibrated cost scales each side: plain steps, rounds after plain
+  steps, and rounds after rounds (a run, where a block drafted ahead hides more than the bubble
+  the model takes off). A round of a drafter that drafts ahead asks `continues` whether the next
+  step will be a round of it; only then is the next block drafted ahead (a block no round uses
+  holds the device in front of the plain step after it).
   Per round: a drafter with a confidence head whose drafts are read on the host drafts its whole
   block, and `cut` keeps the prefix worth verifying: the first slot (the pass is paid for), and
   slot j > 0 when some continuation from it, each later slot accepted with slot j's confidence
@@ -116,6 +122,12 @@ class DraftPolicy:
     def timed(self, width: int, seconds: float) -> None:
         """The loop's wall time of one step that verified `width` tokens (1: a plain step; more:
         the round of the last `result`, its drafter pass included)."""
+
+    def continues(self, source: str, offered: int) -> bool:
+        """Asked during a round of `source` (before its result): is the next step likely a round
+        of it too? (decode/drafting.py drafts the next block ahead only then: a block no round
+        uses holds the device in front of the plain step that follows.)"""
+        return True
 
     def drafted_ahead(self) -> None:
         """The round in flight drafted the next block ahead (decode/drafting.py's before_accept)."""
@@ -248,16 +260,25 @@ class CostPolicy(DraftPolicy):
 
     adaptive = True
 
-    def __init__(self, costs: Costs, cap: int):
+    def __init__(self, costs: Costs, cap: int, drafter_prior: float | None = None, ahead: bool = False):
+        """`drafter_prior`: the drafter's per-slot acceptance where it is known (the registry's
+        typical domain, `slot_acceptance`), else PRIOR's; `ahead`: its rounds draft ahead here
+        (decode/drafting.py's runs_ahead), so a run of its rounds is priced so from the start."""
         self.costs = costs
         self.cap = max(1, int(cap))
-        self.slots = {s: _Slots(p) for s, p in PRIOR.items()}
+        priors = dict(PRIOR, **({"drafter": drafter_prior} if drafter_prior else {}))
+        self.slots = {s: _Slots(p) for s, p in priors.items()}
         self.parks = {s: _Park() for s in PRIOR}
         self.counts = {"probe_rounds": 0, "rounds": 0, "cut_slots": 0}
         # Live corrections of the calibrated curve: the loop's measured step times over the
         # curve's (a few seconds of calibration on a shared machine misjudge both by ~10%, and a
         # real context is longer than the calibration's), for rounds and for plain steps.
         self.round_scale, self.plain_scale = 1.0, 1.0
+        # A round that follows a round has its own scale: what the model leaves out of it (a
+        # block drafted ahead hides the pass's host share as well as the verify's: an H100 saved
+        # ~1.8 ms a round where the model's bubble says 0.8) would otherwise be averaged with the
+        # rounds that follow plain steps, and a run of rounds misjudged by both.
+        self.steady_scale = 1.0
         self._last_source = "drafter"
         self.plain_rate = 1.0 / costs.plain
         self._after_round = False  # the last timed step was a round: the next one breaks no pipeline
@@ -268,6 +289,7 @@ class CostPolicy(DraftPolicy):
         # it: it pays one synchronised step's host share (the bubble) less than its two parts.
         self._ahead_noted = False  # this round drafted the next block ahead (`drafted_ahead`)
         self._ahead_next = False  # the last timed step was a round that drafted ahead
+        self._ahead_seen = ahead  # rounds here draft ahead: a run of rounds is priced so
 
     def _draft_cost(self, source: str) -> float:
         return (self.costs.t_draft or 0.0) if source == "drafter" else 0.0
@@ -276,14 +298,19 @@ class CostPolicy(DraftPolicy):
         """What a round of `source` pays beyond its synchronised parts, by what came before it
         (`steady`: a round that follows the round in flight, drafted ahead if that one was)."""
         if steady:
-            return -self._bubble if source == "drafter" and self._ahead_noted else 0.0
+            return -self._bubble if source == "drafter" and (self._ahead_noted or self._ahead_seen) else 0.0
         if source == "drafter" and self._ahead_next:
             return -self._bubble
         return 0.0 if self._after_round else self._bubble
 
+    def _scale(self, steady: bool = False) -> float:
+        """The live correction of a round that follows a round (`steady`, or the last step was
+        one) or plain steps."""
+        return self.steady_scale if steady or self._after_round else self.round_scale
+
     def _round_cost(self, source: str, k: int, steady: bool = False) -> float:
         base = self._draft_cost(source) + self.costs.verify(k + 1)
-        return max(base + self._overlap(source, steady), 0.5 * base) * self.round_scale
+        return max(base + self._overlap(source, steady), 0.5 * base) * self._scale(steady)
 
     def rate(self, source: str, k: int, depth: int = 0) -> float:
         return self.slots[self._kind(source, depth)].tau(k) / self._round_cost(source, k)
@@ -300,13 +327,28 @@ class CostPolicy(DraftPolicy):
         else:
             src = self._last_source
             base = self._draft_cost(src) + self.costs.verify(width)
-            x = seconds / max(base + self._overlap(src), 0.5 * base)
-            self.round_scale += LIVE_ALPHA * (min(max(x, lo), hi) - self.round_scale)
+            x = min(max(seconds / max(base + self._overlap(src), 0.5 * base), lo), hi)
+            if self._after_round:
+                self.steady_scale += LIVE_ALPHA * (x - self.steady_scale)
+            else:
+                self.round_scale += LIVE_ALPHA * (x - self.round_scale)
         self._after_round = width > 1
         self._ahead_next, self._ahead_noted = width > 1 and self._ahead_noted, False
 
+    def continues(self, source: str, offered: int) -> bool:
+        """The next round's chance as `length` and `result` will judge it, on the acceptance known
+        now (this round's result moves it by ALPHA): the probe's next round, or the round after
+        this one priced as drafted ahead against what resuming or staying asks."""
+        park = self.parks[source]
+        if park.probing > 1:
+            return True
+        if park.until > 0 and not park.probing:
+            return False
+        k, r = self.best(source, offered, steady=True)
+        return k > 0 and r >= (RESUME_MARGIN if park.probing else MARGIN) * self.plain_rate
+
     def drafted_ahead(self) -> None:
-        self._ahead_noted = True
+        self._ahead_noted = self._ahead_seen = True
 
     @staticmethod
     def _kind(source: str, depth: int) -> str:
@@ -334,7 +376,10 @@ class CostPolicy(DraftPolicy):
             return False
         if self.parks[source].until > 0:
             return True  # parked, and its gap has passed: `length` makes this round a probe
-        k, r = self.best(source, offered, depth)
+        # Not parked, among plain steps: a drafter (at the answer's start) is judged on the run of
+        # rounds it would begin (the first round's bubble is paid once; `length` judges every
+        # round after it); lookup, whose matches come one at a time, on the round alone.
+        k, r = self.best(source, offered, depth, steady=source == "drafter")
         if k > 0 and r >= MARGIN * self.plain_rate:
             return True
         # Losing: park it here. (Letting it through for `length` to park would cost a synchronous
@@ -354,6 +399,8 @@ class CostPolicy(DraftPolicy):
                 park.probing = PROBE_ROUNDS.get(source, 1)
                 self.counts["probe_rounds"] += 1
             return max(k, 1)
+        if source == "drafter" and not self._after_round:  # a run's first round (worth_trying judged the run)
+            k, r = self.best(source, offered, depth, steady=True)
         if k and r >= MARGIN * self.plain_rate:
             return k
         park.until = n_hist + park.every
@@ -390,7 +437,8 @@ class CostPolicy(DraftPolicy):
         an exact sample."""
         if not confidences:
             return 0
-        t = [self.costs.verify(w + 1) * self.round_scale for w in range(len(confidences) + 1)]
+        scale = self._scale()
+        t = [self.costs.verify(w + 1) * scale for w in range(len(confidences) + 1)]
         rate = self.plain_rate
         survive, k = min(CONF_MAX, confidences[0]), 1
         while k < len(confidences):
@@ -422,6 +470,7 @@ class CostPolicy(DraftPolicy):
             **self.counts,
             "p_drafter": [round(x, 2) for x in self.slots["drafter"].p[:8]],
             "live_round_scale": round(self.round_scale, 3),
+            "live_steady_scale": round(self.steady_scale, 3),
             "live_plain_scale": round(self.plain_scale, 3),
         }
 
