@@ -1,8 +1,9 @@
 """`--max-draft auto` (decode/policy.py's CostPolicy, the real object) simulated on a device's cost
 curve from recorded acceptance: the policy's decisions on a GPU, studied on a CPU, free of timing noise.
 
-  python bench/sim_draft_policy.py [--record bench/results/accept-trace-cpu.json] [--tokens 192]
-                                   [--per-class 4] [--curve h100] [--out FILE.md]
+  python bench/sim_draft_policy.py [--record bench/results/accept-trace-cpu.json] [--prompts benchmark|train]
+                                   [--tokens 192] [--per-class 4] [--curve h100|h100-s27|CALIBRATION.json]
+                                   [--no-ahead] [--typical 3.2] [--out FILE.md]
 
 1. Record (once; kept in the --record file): the demo pair (float32) decodes each prompt greedily;
    then, for every position n of the answer, the drafter drafts its whole block from the context
@@ -44,6 +45,15 @@ CURVES = {
         [0.00327, 0.00345, 0.00375, 0.00448, 0.00700],
         t_draft=0.00274,
         t_plain=0.00249,
+        origin="given",
+    ),
+    # NVIDIA H100, session 27 (auto-h200.md): plain 2.53 ms, bubble 1.22, drafter pass 2.23,
+    # verify w1 3.76, w8 4.67; the widths between interpolated, w16 as above.
+    "h100-s27": Costs(
+        [1, 2, 4, 8, 16],
+        [0.00376, 0.00390, 0.00420, 0.00467, 0.00720],
+        t_draft=0.00223,
+        t_plain=0.00253,
         origin="given",
     ),
 }
