@@ -75,41 +75,57 @@ def prompt_set(which: str, per_class: int) -> list[tuple[str, str]]:
     return out
 
 
-def record(prompts: list[tuple[str, str]], tokens: int, model: str | None) -> list[dict]:
+def accept_trace(target, drafter, prompt_ids: list[int], answer: list[int]) -> list[int]:
+    """L(n) for every anchor n of `answer` after `prompt_ids` (module docstring, step 1): the
+    drafter's greedy block from the context of positions < n (one target forward over the whole
+    text gives the tapped rows), anchor token n, against the answer's tokens n+1.. ."""
     import mlx.core as mx
-
-    from mlx_dspark.api import drafter_for, encode_prompt, generate
-
-    _, target, tok = bm.load_bench_target(model)
-    drafter = drafter_for(target, "dspark")
-    K = drafter.block_drafts
 
     def choose(row, drafted):
         return mx.argmax(row, axis=-1).astype(mx.int32), None
 
     choose.argmax = True
+    K = drafter.block_drafts
+    full = list(prompt_ids) + list(answer)
+    P = len(prompt_ids)
+    out = target.forward(mx.array([full[:-1]], dtype=mx.int32), target.make_cache(), taps=tuple(drafter.taps))
+    hidden = out.hidden[0]
+    state = drafter.new_state()
+    drafter.ingest(hidden[:P], state)
+    L = []
+    for n in range(P, len(full) - 1):  # anchor n: context rows < n
+        h = drafter.block_hidden(full[n], None, state)
+        toks, _, _ = drafter.sample(h[:K], full[n], choose)
+        got = mx.stack(toks).tolist()
+        a = 0
+        while a < len(got) and n + 1 + a < len(full) and got[a] == full[n + 1 + a]:
+            a += 1
+        L.append(a)
+        drafter.ingest(hidden[n : n + 1], state)
+        mx.eval([c.state for c in state])
+    return L
+
+
+def rounds_of(L: list[int], k: int) -> list[int]:
+    """The drafts accepted in each round of a run that drafts k every round from the start."""
+    pos, out = 0, []
+    while pos < len(L):
+        out.append(min(L[pos], k))
+        pos += out[-1] + 1
+    return out
+
+
+def record(prompts: list[tuple[str, str]], tokens: int, model: str | None) -> list[dict]:
+    from mlx_dspark.api import drafter_for, encode_prompt, generate
+
+    _, target, tok = bm.load_bench_target(model)
+    drafter = drafter_for(target, "dspark")
     traces = []
     for cls, text in prompts:
         ids = encode_prompt(tok, text)
         out = generate(target, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=tokens)
-        full = list(ids) + list(out.tokens)
-        P = len(ids)
-        cache = target.make_cache()
-        hidden = target.forward(mx.array([full[:-1]], dtype=mx.int32), cache, taps=tuple(drafter.taps)).hidden[0]
-        state = drafter.new_state()
-        drafter.ingest(hidden[:P], state)
-        L = []
-        for n in range(P, len(full) - 1):  # anchor n: context rows < n
-            h = drafter.block_hidden(full[n], None, state)
-            toks, _, _ = drafter.sample(h[:K], full[n], choose)
-            got = mx.stack(toks).tolist()
-            a = 0
-            while a < len(got) and n + 1 + a < len(full) and got[a] == full[n + 1 + a]:
-                a += 1
-            L.append(a)
-            drafter.ingest(hidden[n : n + 1], state)
-            mx.eval([c.state for c in state])
-        traces.append({"class": cls, "prompt": text, "block": K, "accept": L})
+        L = accept_trace(target, drafter, ids, out.tokens)
+        traces.append({"class": cls, "prompt": text, "block": drafter.block_drafts, "accept": L})
         print(f"recorded {cls}: {text[:40]!r}, {len(L)} positions, mean L {sum(L) / max(1, len(L)):.2f}", flush=True)
     return traces
 
