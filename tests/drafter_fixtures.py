@@ -541,3 +541,17 @@ def target(path):
 
         _TARGETS[key] = load_target(key)
     return _TARGETS[key]
+
+
+def perm_noisy_pair(root, prompt_seed: int) -> tuple:
+    """(target, tokenizer, its noisy 16-bit DSpark drafter, a 6-token prompt of ordinary tokens),
+    written below `root` and loaded as a user loads them."""
+    from mlx_dspark.models.drafters import load_drafter
+
+    root = Path(root)
+    tp, f = write_perm_target(root / "target")
+    dp = write_perm_dspark_noisy(root / "dspark", tp, f)
+    tgt, tok = target(tp)
+    normal = np.flatnonzero(f >= 0)
+    prompt = [int(t) for t in np.random.default_rng(prompt_seed).choice(normal, size=6, replace=False)]
+    return tgt, tok, load_drafter(str(dp), tgt, bits=16), prompt

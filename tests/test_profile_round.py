@@ -7,28 +7,20 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from drafter_fixtures import target, write_perm_dspark_noisy, write_perm_target
+from drafter_fixtures import perm_noisy_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import profile_round as pr  # noqa: E402
 
 from mlx_dspark.api import generate, start  # noqa: E402
 from mlx_dspark.decode.lookup import NgramIndex  # noqa: E402
-from mlx_dspark.models.drafters import load_drafter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("profile-round")
-    tp, f = write_perm_target(root / "target")
-    dp = write_perm_dspark_noisy(root / "dspark", tp, f)
-    tgt, tok = target(tp)
-    normal = np.flatnonzero(f >= 0)
-    prompt = [int(t) for t in np.random.default_rng(1).choice(normal, size=6, replace=False)]
-    prompt = prompt + prompt  # a repeat: lookup drafts have something to match
-    return tgt, tok, load_drafter(str(dp), tgt, bits=16), prompt
+    tgt, tok, drafter, prompt = perm_noisy_pair(tmp_path_factory.mktemp("profile-round"), 1)
+    return tgt, tok, drafter, prompt + prompt  # a repeat: lookup drafts have something to match
 
 
 @pytest.mark.parametrize("mode", ["baseline", "lookup", "dspark", "dspark-nolookup"])

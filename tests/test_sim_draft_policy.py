@@ -7,26 +7,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from drafter_fixtures import target, write_perm_dspark_noisy, write_perm_target
+from drafter_fixtures import perm_noisy_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import sim_draft_policy as sim  # noqa: E402
 
 from mlx_dspark.api import generate  # noqa: E402
-from mlx_dspark.models.drafters import load_drafter  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sim-policy")
-    tp, f = write_perm_target(root / "target")
-    dp = write_perm_dspark_noisy(root / "dspark", tp, f)
-    tgt, tok = target(tp)
-    normal = np.flatnonzero(f >= 0)
-    prompt = [int(t) for t in np.random.default_rng(5).choice(normal, size=6, replace=False)]
-    return tgt, tok, load_drafter(str(dp), tgt, bits=16), prompt
+    return perm_noisy_pair(tmp_path_factory.mktemp("sim-policy"), 5)
 
 
 def test_a_recorded_trace_replays_the_rounds_of_a_real_run(pair):
