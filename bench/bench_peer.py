@@ -226,6 +226,8 @@ def report(args, prep, ref, ours, peer, prompts) -> tuple[str, dict]:
             f"kernel gates: {json.dumps(peer['gates'])}."
             if peer
             else "Peer: not run (--no-peer)."
+            if args.no_peer
+            else "Peer: not yet run (this report is written before its side starts)."
         ),
         "",
         "| tok/s | " + " | ".join(cols) + " | accept |",
@@ -357,6 +359,13 @@ def main() -> int:
     job["deadline"] = time.time() + left()
     peer = None
     if not args.no_peer:
+        # ours against mlx-lm first, on its own: the peer's first pass (its one-time calibrations)
+        # took minutes on an H100, and a device call cut before the end keeps this much
+        early, _ = report(args, prep, ref, ours, None, [{k: v for k, v in p.items() if k != "ids"} for p in prompts])
+        print(early, flush=True)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).with_suffix(".before-peer.md").write_text(early)
         peer = run_child("peer", job, work, args.peer_python, "peer")
         peer["packages"] = check["packages"]
     text, record = report(args, prep, ref, ours, peer, [{k: v for k, v in p.items() if k != "ids"} for p in prompts])

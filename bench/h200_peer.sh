@@ -8,7 +8,10 @@
 # requests, urllib3, certifi, idna, charset-normalizer, pillow for cp312 where the machine lacks them),
 # with the carry set 'inv' READY on the machine (C: wheels/ = mlx-cuda-13, mlx, mlx-lm, gguf; the demo
 # GGUF; eval/), as bench/h200_invariance.sh stages it.
-# Writes $OUT/peer-h200.md (the report, also on stdout) and $OUT/peer-h200.json (every figure).
+# Writes $OUT/peer-h200.md (the report, also on stdout) and $OUT/peer-h200.json (every figure); with the
+# peer, $OUT/peer-h200.before-peer.md first (ours against mlx-lm: what a call cut during the peer keeps).
+# The peer's side took ~6 min on an H100 (its one-time calibrations and first pass 146 s, a timed
+# pass 208 s): give this script a device call of its own.
 set -uo pipefail
 C=${C:-/var/tmp/carry/inv/files}
 OUT=${OUT:-/tmp/out}
