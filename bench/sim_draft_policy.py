@@ -1,7 +1,7 @@
 """`--max-draft auto` (decode/policy.py's CostPolicy, the real object) simulated on a device's cost
 curve from recorded acceptance: the policy's decisions on a GPU, studied on a CPU, free of timing noise.
 
-  python bench/sim_draft_policy.py [--record bench/results/accept-trace-cpu.json] [--prompts benchmark|train]
+  python bench/sim_draft_policy.py [--record bench/results/accept-trace-cpu.json] [--prompts benchmark|train|diag]
                                    [--tokens 192] [--per-class 4] [--curve h100|h100-s27|CALIBRATION.json]
                                    [--no-ahead] [--typical 3.2] [--out FILE.md]
 
@@ -68,6 +68,10 @@ def prompt_set(which: str, per_class: int) -> list[tuple[str, str]]:
     the training prompts (`train`: the policy is tuned on these, never on eval/)."""
     if which == "benchmark":
         return [(cls, p) for cls in ("chat", "code", "math", "copy") for p in bm.PROMPT_SETS[cls][:per_class]]
+    if which == "diag":  # bench/diag_auto_ahead.py's, to set the sim beside its measurements
+        from diag_auto_ahead import PROMPTS
+
+        return list(PROMPTS.items())
     out = []
     for name, cls in TRAIN_CLASSES.items():
         with open(TRAIN / f"{name}.jsonl") as f:
@@ -219,7 +223,7 @@ def main() -> int:
     ap.add_argument("--record", default=str(Path(__file__).parent / "results" / "accept-trace-cpu.json"))
     ap.add_argument("--model", default=None, help="target (default: the demo model)")
     ap.add_argument("--tokens", type=int, default=192)
-    ap.add_argument("--prompts", default="benchmark", choices=["benchmark", "train"], help="what to record")
+    ap.add_argument("--prompts", default="benchmark", choices=["benchmark", "train", "diag"], help="what to record")
     ap.add_argument("--per-class", type=int, default=4, help="prompts per class (benchmark) or per file (train)")
     ap.add_argument("--curve", default="h100", help=f"{', '.join(CURVES)}, or a calibration file (its JSON)")
     ap.add_argument("--no-ahead", action="store_true", help="rounds never draft ahead (a CPU: no compiled passes)")
