@@ -2,8 +2,9 @@
 drafting ahead (decode/drafting.py's before_accept), in one warm process: per prompt and repetition,
 baseline, `--mode auto` and `--mode dspark` (both with the CLI's default `--max-draft auto`), and `--mode dspark
 --max-draft 7` with draft-ahead on and off; tok/s of the decode, the ratio to baseline of the same
-repetition, drafter / ahead / lookup rounds and the live round scale; every run's ids and text
-checked equal to baseline. The calibrated curve is printed once.
+repetition, drafter / ahead / lookup rounds and the live round scales (after plain steps / in a
+run); every run's ids and text checked equal to baseline. The calibrated curve is printed once,
+and at the end a table of medians over the repetitions.
 
   python bench/diag_auto_ahead.py --model GGUF [--dtype bfloat16] [--tokens 192] [--reps 3]
 """
@@ -11,6 +12,7 @@ checked equal to baseline. The calibrated curve is printed once.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -44,11 +46,13 @@ def main() -> int:
     t, tok = load_target(args.model, dtype=args.dtype)
     d = drafter_for(t, "dspark")
     shown = False
+    speeds: dict = {}  # (prompt, label) -> decode tok/s of each repetition
     for name, text in PROMPTS.items():
         ids = md.encode_prompt(tok, text)
         for rep in range(args.reps):
             b = md.generate(t, tok, None, prompt_ids=ids, mode="baseline", max_new_tokens=args.tokens)
             row = [f"{name} {rep}", f"baseline {b.decode_tps:.0f}"]
+            speeds.setdefault((name, "baseline"), []).append(b.decode_tps)
             for label, kw, ahead in RUNS:
                 DrafterProposer.draft_ahead = ahead
                 tg = start(t, tok, None, prompt_ids=ids, drafter=d, max_new_tokens=args.tokens, **kw)
@@ -56,6 +60,7 @@ def main() -> int:
                 s = r.stats
                 if r.tokens != b.tokens or r.text != b.text:
                     raise SystemExit(f"{label} on {name}: not baseline's ids and text")
+                speeds.setdefault((name, label), []).append(r.decode_tps)
                 row.append(
                     f"{label} {r.decode_tps:.0f} ({r.decode_tps / b.decode_tps:.2f}x; drafter {s.get('drafter_rounds')}"
                     f" acc {s.get('drafter_accepted', 0) / max(1, s.get('drafter_rounds') or 0):.2f}"
@@ -72,6 +77,13 @@ def main() -> int:
                     )
             DrafterProposer.draft_ahead = True
             print(" | ".join(row), flush=True)
+    # medians over the repetitions: one baseline run moves by 10-20% on a GPU, a ratio to it as much
+    labels = ["baseline"] + [label for label, _, _ in RUNS]
+    print("\nmedian tok/s (ratio of medians to baseline's):\n| prompt | " + " | ".join(labels) + " |")
+    print("|---" * (len(labels) + 1) + "|")
+    for name in PROMPTS:
+        med = {label: statistics.median(speeds[(name, label)]) for label in labels}
+        print(f"| {name} | " + " | ".join(f"{med[x]:.0f} ({med[x] / med['baseline']:.2f}x)" for x in labels) + " |")
     return 0
 
 
