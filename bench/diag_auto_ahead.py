@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import _package  # noqa: F401  (the mlx_dspark on the path or installed, else python/: an A/B sets PYTHONPATH)
 
 PROMPTS = {
     "code": "Write a Python function that merges two sorted lists into one sorted list.",

@@ -30,7 +30,7 @@ def test_a_recorded_trace_replays_the_rounds_of_a_real_run(pair):
     L = sim.accept_trace(tgt, d, prompt, base.tokens)
     assert len(L) == len(base.tokens) - 1 and 0 < sum(L) < d.block_drafts * len(L)  # neither all nor nothing
     run = generate(tgt, tok, None, prompt_ids=prompt, mode="dspark", drafter=d, max_new_tokens=n, lookup_drafts=False)
-    assert run.tokens == base.tokens
+    assert run.tokens == base.tokens and run.text == base.text
     predicted = [a + 1 for a in sim.rounds_of(L, d.block_drafts)]
     real = list(run.accept_lengths)
     assert len(real) > 5

@@ -296,9 +296,9 @@ class CostPolicy(DraftPolicy):
 
     def _overlap(self, source: str, steady: bool = False) -> float:
         """What a round of `source` pays beyond its synchronised parts, by what came before it
-        (`steady`: a round that follows the round in flight, drafted ahead if that one was)."""
+        (`steady`: a round that follows the round in flight, drafted ahead where rounds here are)."""
         if steady:
-            return -self._bubble if source == "drafter" and (self._ahead_noted or self._ahead_seen) else 0.0
+            return -self._bubble if source == "drafter" and self._ahead_seen else 0.0
         if source == "drafter" and self._ahead_next:
             return -self._bubble
         return 0.0 if self._after_round else self._bubble
