@@ -3,7 +3,7 @@ curve from recorded acceptance: the policy's decisions on a GPU, studied on a CP
 
   python bench/sim_draft_policy.py [--record bench/results/accept-trace-cpu.json] [--prompts benchmark|train|diag]
                                    [--tokens 192] [--per-class 4] [--curve h100|h100-s27|CALIBRATION.json]
-                                   [--no-ahead] [--typical 3.2] [--out FILE.md]
+                                   [--no-ahead] [--typical 3.2] [--set NAME=VALUE ...] [--out FILE.md]
 
 1. Record (once; kept in the --record file): the demo pair (float32) decodes each prompt greedily;
    then, for every position n of the answer, the drafter drafts its whole block from the context
@@ -21,6 +21,8 @@ curve from recorded acceptance: the policy's decisions on a GPU, studied on a CP
    round; the policy prices it at one bubble).
 Rows per prompt: plain decoding (1.00x by definition), `k7` (the full block every round, drafted
 ahead), `k7-noahead`, and `auto`, with auto's rounds, probes and blocks drafted ahead for nothing.
+`--set ALPHA=0.1` (repeatable) runs the policy with a constant of decode/policy.py changed: a
+candidate is judged here, on traces it was not tuned on, before a device is spent on it.
 """
 
 from __future__ import annotations
@@ -218,6 +220,23 @@ def load_curve(name: str) -> Costs:
     return Costs(**{k: v for k, v in value.items() if k in Costs.__dataclass_fields__})
 
 
+def set_constants(pairs: list[str]) -> dict:
+    """Apply `NAME=VALUE` overrides to decode/policy.py's module constants (the policy reads them
+    at each decision); an unknown name or a value of another type is an error."""
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        old = getattr(pol, name, None)
+        if not sep or not name.isupper() or not isinstance(old, (int, float)) or isinstance(old, bool):
+            raise SystemExit(f"--set {pair!r}: expected NAME=VALUE for a numeric constant of decode/policy.py")
+        try:
+            out[name] = type(old)(value)
+        except ValueError:
+            raise SystemExit(f"--set {pair!r}: {name} takes a {type(old).__name__}") from None
+        setattr(pol, name, out[name])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--record", default=str(Path(__file__).parent / "results" / "accept-trace-cpu.json"))
@@ -230,8 +249,16 @@ def main() -> int:
     ap.add_argument("--ahead-saving", type=float, default=1.8, help="ms a round drafted ahead saves")
     ap.add_argument("--waste", type=float, default=1.6, help="ms an unused block drafted ahead holds the device")
     ap.add_argument("--typical", type=float, default=3.2, help="the registry's tokens a round (0: unknown)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a constant of decode/policy.py for this run (e.g. ALPHA=0.1; repeatable)",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
+    overrides = set_constants(args.set)
     path = Path(args.record)
     if path.exists():
         traces = json.loads(path.read_text())["traces"]
@@ -259,7 +286,8 @@ def main() -> int:
     out = [
         f"### `--max-draft auto` simulated on the {args.curve} curve ({costs.summary()})",
         f"`bench/sim_draft_policy.py --curve {args.curve} --ahead-saving {args.ahead_saving} --waste {args.waste}"
-        f"{' --no-ahead' if args.no_ahead else ''} --typical {args.typical}` "
+        f"{' --no-ahead' if args.no_ahead else ''} --typical {args.typical}"
+        f"{''.join(f' --set {k}={v}' for k, v in overrides.items())}` "
         f"at {time.strftime('%Y-%m-%d %H:%M')}; acceptance recorded on {Path(args.record).name}",
         "",
         "| class | prompt | drafts accepted at each position (of 7) | k7 | k7-noahead | auto "

@@ -52,3 +52,21 @@ def test_the_loop_around_the_policy_runs_a_perfect_drafter_and_parks_a_useless_o
     lost = sim.simulate(useless, 7, truth, sim.new_policy(costs, 7, 3.2), True)
     assert sim.simulate(useless, 7, truth, None, True)["speed"] < 0.5
     assert lost["speed"] > 0.9 and lost["plain"] > 150 and lost["probes"] >= 2
+
+
+def test_set_overrides_a_policy_constant_for_the_run_and_refuses_what_is_not_one(monkeypatch):
+    """`--set NAME=VALUE` reaches the policy's decisions (PROBE_MIN included: a park reads it when
+    made), keeps the constant's type, and refuses a name that is not a numeric constant."""
+    pol = sim.pol
+    for name in ("PROBE_MIN", "ALPHA", "MARGIN"):
+        monkeypatch.setattr(pol, name, getattr(pol, name))  # restored after the test
+    costs, truth = sim.CURVES["h100"], sim.Truth(sim.CURVES["h100"], 1.8e-3, 1.6e-3)
+    useless = [0] * 400
+    before = sim.simulate(useless, 7, truth, sim.new_policy(costs, 7, 3.2), True)
+    assert sim.set_constants(["PROBE_MIN=64", "ALPHA=0.5"]) == {"PROBE_MIN": 64, "ALPHA": 0.5}
+    assert pol.PROBE_MIN == 64 and isinstance(pol.PROBE_MIN, int)
+    after = sim.simulate(useless, 7, truth, sim.new_policy(costs, 7, 3.2), True)
+    assert after["probes"] < before["probes"]  # parks start 64 tokens long: fewer probes in 400 tokens
+    for bad in ("PRIOR=0.5", "alpha=0.1", "ALPHA", "ALPHA=fast", "NO_SUCH=1"):
+        with pytest.raises(SystemExit):
+            sim.set_constants([bad])

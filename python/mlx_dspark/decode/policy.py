@@ -251,7 +251,7 @@ class _Slots:
 @dataclass
 class _Park:
     until: int = 0
-    every: int = PROBE_MIN
+    every: int = field(default_factory=lambda: PROBE_MIN)  # read when made, as every constant here is
     probing: int = 0  # rounds left in the probe under way
 
 
