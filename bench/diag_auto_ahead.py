@@ -6,7 +6,11 @@ repetition, drafter / ahead / lookup rounds and the live round scales (after pla
 run); every run's ids and text checked equal to baseline. The calibrated curve is printed once,
 and at the end a table of medians over the repetitions.
 
-  python bench/diag_auto_ahead.py --model GGUF [--dtype bfloat16] [--tokens 192] [--reps 3]
+  python bench/diag_auto_ahead.py --model GGUF [--dtype bfloat16] [--tokens 192] [--reps 3] [--set NAME=VALUE ...]
+
+`--set ALPHA=0.1` runs the policy with a constant of decode/policy.py changed (as
+bench/sim_draft_policy.py's `--set`): a live A/B of a candidate the simulator proposed, one process
+per side.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", type=int, default=192)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a policy constant, changed")
     args = ap.parse_args()
+    from sim_draft_policy import set_constants
+
+    if args.set:
+        print(f"policy constants changed: {set_constants(args.set)}", flush=True)
     import mlx_dspark as md
     from mlx_dspark.api import drafter_for, start
     from mlx_dspark.decode.drafting import DrafterProposer

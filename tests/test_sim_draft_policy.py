@@ -58,7 +58,7 @@ def test_set_overrides_a_policy_constant_for_the_run_and_refuses_what_is_not_one
     """`--set NAME=VALUE` reaches the policy's decisions (PROBE_MIN included: a park reads it when
     made), keeps the constant's type, and refuses a name that is not a numeric constant."""
     pol = sim.pol
-    for name in ("PROBE_MIN", "ALPHA", "MARGIN"):
+    for name in ("PROBE_MIN", "ALPHA"):
         monkeypatch.setattr(pol, name, getattr(pol, name))  # restored after the test
     costs, truth = sim.CURVES["h100"], sim.Truth(sim.CURVES["h100"], 1.8e-3, 1.6e-3)
     useless = [0] * 400
