@@ -30,6 +30,12 @@
 #   bash bench/h200_invariance.sh first-steps           # every step of a fresh process's first generations timed: a
 #                                                       # process that calibrates, then fresh ones on a code and a chat
 #                                                       # prompt (diag_first_steps.py, FS_MODE (auto); $OUT/first-steps.txt)
+#   bash bench/h200_invariance.sh auto-steps            # every step of auto, k7, a parked drafter and baseline timed on
+#                                                       # the diag prompts, AS_REPS (4) in one process, auto's timeline
+#                                                       # (diag_auto_steps.py, <= AS_LIMIT 150 s; $OUT/auto-steps.txt)
+#   AB_SET=ALPHA=0.1 bash bench/h200_invariance.sh auto-ab   # a policy constant live: diag_auto_ahead.py with and
+#                                                       # without `--set $AB_SET`, AB_PROCS (2) processes a side in
+#                                                       # turn, AB_REPS (4) each ($OUT/auto-ab-{base,set}-N.txt)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
 #   bash bench/h200_invariance.sh lone                  # the lone request, each engine in its own process (bench_lone.py)
@@ -200,6 +206,19 @@ for step in "$@"; do
       echo "== $M: fresh, code"; python3 bench/diag_first_steps.py $M --runs 2
       echo "== $M: fresh, chat"; python3 bench/diag_first_steps.py $M --runs 2 --prompt "Explain in a few sentences why the sky is blue."
     } 2>&1 | grep -v -e Warn -e clean_up_tokenization | tee "$OUT/first-steps.txt"; el ;;
+  auto-steps)  # where the live auto loses what the simulator does not see (policy-sim.md, session 28)
+    timeout "${AS_LIMIT:-150}" python3 bench/diag_auto_steps.py --model "$MLX_DSPARK_DEMO_GGUF" --dtype bfloat16 \
+      --reps "${AS_REPS:-4}" --timeline 2>&1 | grep -v -e Warn -e clean_up | tee "$OUT/auto-steps.txt" | tail -5; el ;;
+  auto-ab)  # AB_SET (e.g. ALPHA=0.1): a simulator's candidate against the policy as it is, processes alternating
+    : "${AB_SET:?auto-ab needs AB_SET=NAME=VALUE (a constant of decode/policy.py)}"
+    for i in $(seq "${AB_PROCS:-2}"); do
+      for side in base set; do
+        extra=(); [ "$side" = set ] && extra=(--set "$AB_SET")
+        timeout "${AB_LIMIT:-120}" python3 bench/diag_auto_ahead.py --model "$MLX_DSPARK_DEMO_GGUF" --reps "${AB_REPS:-4}" \
+          "${extra[@]}" 2>&1 | grep -v -e Warn -e clean_up > "$OUT/auto-ab-$side-$i.txt"
+        echo "$side $i:"; tail -4 "$OUT/auto-ab-$side-$i.txt"
+      done
+    done; el ;;
   replay)
     python3 bench/bench_hybrid_replay.py --out "$OUT/hybrid-replay.md" 2>&1 | tail -30; el ;;
   batch)
