@@ -11,7 +11,8 @@ taps on and its rows kept), which is what auto's parked stretches cost. Each Gen
 by hand and every step timed (wall, from before step() to after it). Per mode: the whole decode,
 its ratio to baseline, and the steps by kind (plain, a plain step that commits nothing, a round of
 verify width w): how many, their time, median and the tokens they committed. `--timeline` also
-prints auto's steps in order in the last repetition. Every mode's ids equal baseline's (checked).
+prints auto's steps in order in the last repetition. Every mode's ids, and the text its steps
+committed, equal baseline's (checked).
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ import _package  # noqa: F401  (the mlx_dspark on the path or installed, else py
 from diag_auto_ahead import PROMPTS
 
 
-def run(gen) -> list[tuple[int, int, float]]:
-    """(drafts verified, tokens committed, ms) of every step of a Generation, stepped to its end."""
-    steps = []
+def run(gen) -> tuple[list[tuple[int, int, float]], str]:
+    """(drafts verified, tokens committed, ms) of every step of a Generation, stepped to its end,
+    and the text its commits carried."""
+    steps, text = [], []
     while not gen.done:
         n0, r0 = len(gen.res.tokens), len(gen.res.drafted)
         t0 = time.perf_counter()
-        gen.step()
+        commit = gen.step()
         ms = (time.perf_counter() - t0) * 1e3
+        text.append(commit.text)
         drafted = gen.res.drafted[r0:]
         steps.append((max(drafted) if drafted else 0, len(gen.res.tokens) - n0, ms))
-    return steps
+    return steps, "".join(text)
 
 
 def by_kind(steps) -> str:
@@ -84,12 +87,12 @@ def main() -> int:
                 try:
                     tg = start(t, tok, None, prompt_ids=ids, max_new_tokens=args.tokens, **kw)
                     t0 = time.perf_counter()
-                    steps = run(tg.generation)
-                    got[mode] = (steps, (time.perf_counter() - t0) * 1e3, tg.generation.res)
+                    steps, text = run(tg.generation)
+                    got[mode] = (steps, (time.perf_counter() - t0) * 1e3, tg.generation.res, text)
                 finally:
                     DrafterProposer.wants_round = wants
-                if got[mode][2].tokens != got["baseline"][2].tokens:
-                    raise SystemExit(f"{mode} on {name}: not baseline's ids")
+                if got[mode][2].tokens != got["baseline"][2].tokens or text != got["baseline"][3]:
+                    raise SystemExit(f"{mode} on {name}: not baseline's ids and text")
             if rep == 0:
                 continue  # warm-up: MLX compiles kernels per shape on first use
             base = got["baseline"][1]

@@ -63,8 +63,10 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
     cap = proposer.block_drafts if drafter is not None else lookup_long_draft
     runs_ahead = getattr(proposer, "runs_ahead", None)
     ahead = bool(runs_ahead and runs_ahead())
+    tau = _measured_tau(drafter)  # the registry's record: the verdict's and the policy's prior
     if mode == "auto":
-        runs, said = auto_verdict(c, drafter, getattr(proposer, "lookup_drafts", False), lookup_long_draft, ahead)
+        lookup = getattr(proposer, "lookup_drafts", False)
+        runs, said = auto_verdict(c, drafter, lookup, lookup_long_draft, ahead, measured_tau=tau)
         if said:
             _say_once(said)
         if runs == "lookup" and drafter is not None:
@@ -73,26 +75,28 @@ def apply_auto(target, proposer, mode: str, lookup_long_draft: int = 32):
             return proposer, None
         if runs == "baseline":
             return Proposer(), None
-    tau = _measured_tau(drafter)
     prior = slot_acceptance(tau, drafter.block_drafts) if tau and drafter is not None else None
     proposer.use_policy(CostPolicy(c, cap=max(cap, lookup_long_draft), drafter_prior=prior, ahead=ahead))
     return proposer, None
 
 
 def auto_verdict(
-    c, drafter, lookup_drafts: bool = True, lookup_long_draft: int = 32, ahead: bool = False
+    c, drafter, lookup_drafts: bool = True, lookup_long_draft: int = 32, ahead: bool = False, measured_tau=...
 ) -> tuple[str, str | None]:
     """What `--mode auto` runs on the cost curve `c`: (the drafter's kind, "lookup" or
     "baseline"; what it says once, or None). A drafter drafts at most its block; lookup drafts are
     free, so where the drafter cannot pay (policy.plain_reason, weighed by what the registry
     records it earns on its typical domain) lookup alone may, if the drafter's proposer drafts
-    lookup too. `ahead`: the drafter's rounds draft ahead (policy.plain_reason)."""
+    lookup too. `ahead`: the drafter's rounds draft ahead (policy.plain_reason); `measured_tau`:
+    the registry's record for the drafter where the caller has read it (None: unmeasured)."""
     from .policy import plain_reason
 
     if drafter is None:
         why = plain_reason(c, lookup_long_draft, False)
         return ("baseline", f"{why}: --mode auto runs plain decoding ({c.summary()})") if why else ("lookup", None)
-    why = plain_reason(c, drafter.block_drafts, True, _measured_tau(drafter), ahead)
+    if measured_tau is ...:
+        measured_tau = _measured_tau(drafter)
+    why = plain_reason(c, drafter.block_drafts, True, measured_tau, ahead)
     if not why:
         return drafter.kind, None
     if lookup_drafts and plain_reason(c, lookup_long_draft, False) is None:

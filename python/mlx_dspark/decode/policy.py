@@ -389,7 +389,6 @@ class CostPolicy(DraftPolicy):
 
     def length(self, source: str, offered: int, n_hist: int, depth: int = 0) -> int:
         park = self.parks[source]
-        k, r = self.best(source, offered, depth)
         if park.until > 0:
             if n_hist < park.until:
                 return 0
@@ -398,9 +397,9 @@ class CostPolicy(DraftPolicy):
             if not park.probing:
                 park.probing = PROBE_ROUNDS.get(source, 1)
                 self.counts["probe_rounds"] += 1
-            return max(k, 1)
-        if source == "drafter" and not self._after_round:  # a run's first round (worth_trying judged the run)
-            k, r = self.best(source, offered, depth, steady=True)
+            return max(self.best(source, offered, depth)[0], 1)
+        # a drafter's first round among plain steps is priced as the run it begins (as worth_trying did)
+        k, r = self.best(source, offered, depth, steady=source == "drafter" and not self._after_round)
         if k and r >= MARGIN * self.plain_rate:
             return k
         park.until = n_hist + park.every
