@@ -1,7 +1,9 @@
 """Continuous batching: aggregate throughput of B concurrent streams, batched against serial.
 
-What the server runs (serve/engine.py's Engine, in process, no HTTP): per mode (baseline,
-DSpark) one engine with --max-batch 1 (the serial path) and one with --max-batch max(B)
+What the server runs (serve/engine.py's Engine, in process, no HTTP): per mode (baseline;
+dspark: the drafter's full block every round, the Python API's default; auto: `serve`'s
+defaults, --mode auto --max-draft auto, each row under its own cost policy and the batch's draft
+gate) one engine with --max-batch 1 (the serial path) and one with --max-batch max(B)
 (serve/batch.py), same target, same drafter. For B = 1, 2, 4, 8: B chat requests (`--tokens`
 each, greedy) are submitted at once; aggregate tok/s = all completion tokens / wall time from the
 first submit to the last delivery (prefill included), and the same per CPU second of this process
@@ -12,8 +14,8 @@ one, token ids AND text (mismatches must be 0). The lone request (B = 1) is time
 on each engine, alternately; the ratio of the best times is printed (target >= 0.98), with the
 scheduler's own time per step of a lone row (measured on a stub generation).
 
-One run prints every figure of the issue's bars: batched / serial per mode and B, batched DSpark
-/ batched baseline per B, the lone request, mismatches. `--budget-s S` keeps the whole run
+One run prints every figure of the issue's bars: batched / serial per mode and B, batched
+dspark and auto / batched baseline per B, the lone request, mismatches. `--budget-s S` keeps the whole run
 (load and warm-up included: MLX CUDA JIT-compiles on first use) under S seconds: after the
 warm-up it measures each mode's serial speed, then cuts --repeat, then --tokens (never below
 16), so that the planned work fits, and says so; a phase that would still end past the budget
@@ -25,7 +27,7 @@ time it meets it, which a server pays once and a steady-state figure must not in
 `--out F` appends the report (markdown) to F, line by line.
 
     PYTHONPATH=python python bench/bench_batch.py [--model M] [--dtype float32] [--tokens 128]
-        [--batches 1,2,4,8] [--modes baseline,dspark] [--repeat 3] [--budget-s S] [--out F]
+        [--batches 1,2,4,8] [--modes baseline,dspark,auto] [--repeat 3] [--budget-s S] [--out F]
 
 CPU: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 --dtype float32.
 CUDA (bench/h200_invariance.sh batch): --dtype bfloat16, MLX_DSPARK_DEMO_GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -62,9 +64,11 @@ SLACK = 1.25  # planned seconds = measured cost x SLACK (prefills, thread hand-o
 
 
 def _engine(target, tok, mode, drafter, max_batch):
+    """Mode `auto` is what `mlx-dspark serve` runs unless told otherwise (its CLI defaults)."""
     from mlx_dspark.serve.engine import Engine
 
-    eng = Engine(target, tok, mode=mode, drafter=drafter, max_batch=max_batch, max_queue=64)
+    max_draft = "auto" if mode == "auto" else None
+    eng = Engine(target, tok, mode=mode, drafter=drafter, max_draft=max_draft, max_batch=max_batch, max_queue=64)
     eng.start()
     eng.warmup()
     return eng
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,2,4,8")
-    ap.add_argument("--modes", default="baseline,dspark")
+    ap.add_argument("--modes", default="baseline,dspark,auto")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=0.0, help="the whole run's wall-clock budget (0: none)")
     ap.add_argument(
@@ -206,7 +210,7 @@ def main(argv=None) -> int:
 
     engines, drafters = {}, {}
     for mode in modes:
-        drafters[mode] = drafter_for(target, mode) if mode in ("dspark", "dflash") else None
+        drafters[mode] = drafter_for(target, mode) if mode in ("dspark", "dflash", "auto") else None
         engines[mode] = (
             _engine(target, tok, mode, drafters[mode], 1),
             _engine(target, tok, mode, drafters[mode], max(batches)),
@@ -275,8 +279,10 @@ def main(argv=None) -> int:
         serial.stop()
         batched.stop()
 
-    base, spec = "baseline", next((m for m in modes if m != "baseline"), None)
-    if spec and any((base, B) in agg and (spec, B) in agg for B in batches):
+    base = "baseline"
+    for spec in [m for m in modes if m != base]:
+        if not any((base, B) in agg and (spec, B) in agg for B in batches):
+            continue
         say()
         say(f"| B | batched {base} tok/s | batched {spec} tok/s | batched {spec} / batched {base} |")
         say("|---|---|---|---|")

@@ -169,20 +169,94 @@ def forward_rows(target: Target, rows: Sequence[tuple[list, Feed]]) -> list[Forw
     ]
 
 
-def step_rows(gens: Sequence[Generation]) -> list[Commit]:
+class DraftGate:
+    """Whether the rows of a batch may draft at all, judged on measured throughput.
+
+    Each row's cost policy (--max-draft auto) prices a round against a plain step of its own, as
+    if it ran alone. In a batch both are different: the rows' plain steps share one forward (the
+    spare width that a round would fill is filled by the other rows already), and one row's round
+    widens and delays the step of every row. So the batch measures instead: it runs a window of
+    steps where the rows' policies decide (drafts allowed) and a window of plain steps (the
+    proposers not asked), keeps the mode with the higher committed tokens per second (drafts
+    must win by MARGIN), and measures the other mode again after `hold` steps (doubling from
+    HOLD_MIN to HOLD_MAX while the choice stands). A change of the row count measures both again
+    soon. Output never depends on it: only which steps are rounds."""
+
+    WINDOW = 6  # steps per measurement (the first one after a switch included)
+    HOLD_MIN, HOLD_MAX = 24, 384
+    MARGIN = 1.03
+
+    def __init__(self):
+        self.rows = 0
+        self.rate: dict[bool, float | None] = {True: None, False: None}  # tokens/s by mode
+        self.mode = True  # drafts allowed (the rows' policies decide)
+        self.held: bool | None = None  # the mode the last comparison chose
+        self.hold = self.HOLD_MIN
+        self._measuring, self._left = True, self.WINDOW
+        self._tokens, self._seconds = 0, 0.0
+
+    def reset(self, rows: int) -> None:
+        """The batch now has `rows` rows: what was measured no longer holds. The mode stands;
+        a hold under way ends within HOLD_MIN steps, then both modes are measured again."""
+        if rows == self.rows:
+            return
+        self.rows = rows
+        self.rate = {True: None, False: None}
+        self.hold = self.HOLD_MIN
+        self._tokens, self._seconds = 0, 0.0
+        if self._measuring:
+            self._left = self.WINDOW
+        else:
+            self._left = min(self._left, self.HOLD_MIN)
+
+    def drafts(self, rows: int) -> bool:
+        """May the rows of this step (`rows` of them) draft?"""
+        self.reset(rows)
+        return self.mode
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """The step just run committed `tokens` over all rows in `seconds`."""
+        self._tokens += tokens
+        self._seconds += seconds
+        self._left -= 1
+        if self._left > 0:
+            return
+        self.rate[self.mode] = self._tokens / max(self._seconds, 1e-9)  # a window, or a whole hold
+        self._tokens, self._seconds = 0, 0.0
+        if not self._measuring or self.rate[not self.mode] is None:  # measure the other mode
+            self.mode, self._measuring, self._left = not self.mode, True, self.WINDOW
+            return
+        best = self.rate[True] > self.MARGIN * self.rate[False]
+        self.hold = min(2 * self.hold, self.HOLD_MAX) if best == self.held else self.HOLD_MIN
+        self.held = self.mode = best
+        self._measuring, self._left = False, self.hold
+
+    def stats(self) -> dict:
+        return {"drafts": self.mode, "hold": self.hold, "rate": dict(self.rate)}
+
+
+def _adaptive(g: Generation) -> bool:
+    return bool(getattr(getattr(g.proposer, "policy", None), "adaptive", False))
+
+
+def step_rows(gens: Sequence[Generation], gate: DraftGate | None = None) -> list[Commit]:
     """One step of every generation in `gens` (each prefilled and not done), their target
     forwards run as one. Returns each generation's Commit, in order; each one's decode time
-    grows by the step's wall time."""
+    grows by the step's wall time. `gate` (several rows, every one under an adaptive policy):
+    whether the rows may draft this step, and what the step measured goes back to it."""
     if len(gens) == 1 and gens[0].prefilled and not gens[0].done:
         return [gens[0].step()]  # a lone generation steps exactly as it does alone
     t0 = time.perf_counter()
+    if gate is not None and not all(_adaptive(g) for g in gens):
+        gate = None  # a row with a fixed draft length drafts as asked
+    drafts = gate.drafts(len(gens)) if gate is not None else True
     commits: list[Commit | None] = [None] * len(gens)
     feeds: list[tuple[int, Feed]] = []
     asks: list[tuple[int, int]] = []  # (row, tokens to draft)
     for i, g in enumerate(gens):
         if g.done or not g.prefilled:
             raise RuntimeError("step_rows steps prefilled generations that are not done")
-        p = g.plan_begin()
+        p = g.plan_begin(drafts)
         if isinstance(p, Commit):
             commits[i] = p
         elif isinstance(p, int):
@@ -198,6 +272,8 @@ def step_rows(gens: Sequence[Generation]) -> list[Commit]:
     dt = time.perf_counter() - t0
     for g in gens:
         g.res.decode_s += dt
+    if gate is not None:
+        gate.record(sum(len(c.tokens) for c in commits), dt)
     return commits
 
 

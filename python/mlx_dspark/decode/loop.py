@@ -372,17 +372,18 @@ class Generation:
             return self.plan_draft(self.proposer.propose(self.history, got, self.sampling))
         return got
 
-    def plan_begin(self) -> "Feed | Commit | int":
+    def plan_begin(self, drafts: bool = True) -> "Feed | Commit | int":
         """plan() up to the proposer: a Feed or a Commit as plan() returns them, or the number of
         tokens to draft; then plan_draft(proposer.propose(history, k, sampling)) gives the Feed
-        (decode/batch.py asks several proposers at once in between)."""
+        (decode/batch.py asks several proposers at once in between). `drafts` False: a plain
+        step, the proposer not asked (decode/batch.py's DraftGate)."""
         target, cache, acceptor = self.target, self.cache, self.acceptor
         remaining = self.max_new_tokens - len(self.res.tokens)
         plain = (
             self.pending is not None
             and acceptor.lazy_ok
             and remaining > 1
-            and not (self.speculate and self.proposer.wants_round(self.history))
+            and not (drafts and self.speculate and self.proposer.wants_round(self.history))
         )
         if plain:
             # Pipelined plain step: the forward of the pending token is enqueued before it is read back.
@@ -401,7 +402,7 @@ class Generation:
         if k > 0 and self.speculate and not target.can_trim(cache, k):
             _switch_off(self.res, target, cache)  # e.g. a sliding window that has filled up
             self.speculate, self.taps = False, ()
-        if k > 0 and self.speculate:
+        if k > 0 and self.speculate and drafts:
             self._k = k
             return k
         return self.plan_draft(Draft())

@@ -1,0 +1,124 @@
+"""Continuous batching under --max-draft auto: the batch's draft switch (decode/batch.DraftGate)
+picks drafting or plain batched steps by measured throughput, and output never depends on it
+(token ids and text equal the request run alone, CPU float32, real tiny checkpoints)."""
+
+from __future__ import annotations
+
+import pytest
+from drafter_fixtures import perm_chain, target, workspace
+
+from mlx_dspark.api import generate, start
+from mlx_dspark.decode import batch
+from mlx_dspark.decode import costs as cost_curves
+from mlx_dspark.decode.costs import Costs
+from mlx_dspark.models.drafters import load_drafter
+
+W = batch.DraftGate.WINDOW
+FLAT = Costs([1, 2, 4, 8, 16, 32], [0.010, 0.0105, 0.011, 0.012, 0.014, 0.018], t_draft=0.002, origin="given")
+
+
+def _feed(gate: batch.DraftGate, rows: int, steps: int, rate: dict) -> list[bool]:
+    """`steps` steps of a batch of `rows`, each committing at rate[mode] tokens a second (1 s a step)."""
+    modes = []
+    for _ in range(steps):
+        m = gate.drafts(rows)
+        modes.append(m)
+        gate.record(int(rate[m]), 1.0)
+    return modes
+
+
+def test_gate_measures_both_modes_then_keeps_the_faster_and_holds_longer_while_it_wins():
+    gate = batch.DraftGate()
+    modes = _feed(gate, 4, 2 * W, {True: 3, False: 4})
+    assert modes == [True] * W + [False] * W  # drafts first (the rows' policies decide), then plain
+    assert gate.mode is False and gate.rate == {True: 3.0, False: 4.0} and gate.hold == gate.HOLD_MIN
+    modes = _feed(gate, 4, gate.HOLD_MIN + W, {True: 3, False: 4})
+    assert modes == [False] * gate.HOLD_MIN + [True] * W  # the hold, then drafts measured again
+    assert gate.mode is False and gate.hold == 2 * gate.HOLD_MIN  # plain won again: a longer hold
+    # acceptance rose (say, the rows reached code): drafts measured after the hold win, and stay
+    modes = _feed(gate, 4, 2 * gate.HOLD_MIN + W, {True: 8, False: 4})
+    assert modes[-W:] == [True] * W and gate.mode is True and gate.hold == gate.HOLD_MIN
+
+
+def test_gate_wants_drafts_to_win_by_its_margin():
+    gate = batch.DraftGate()
+    _feed(gate, 2, 2 * W, {True: 100, False: 99})  # 1% faster: not enough
+    assert gate.mode is False
+    gate = batch.DraftGate()
+    _feed(gate, 2, 2 * W, {True: 110, False: 100})
+    assert gate.mode is True
+
+
+def test_a_new_row_count_forgets_the_rates_keeps_the_mode_and_cuts_a_long_hold():
+    gate = batch.DraftGate()
+    _feed(gate, 4, 2 * W, {True: 3, False: 4})
+    _feed(gate, 4, gate.HOLD_MIN + 2 * W, {True: 3, False: 4})  # hold doubled, 2 W steps into it
+    assert gate.mode is False and gate.hold == 2 * gate.HOLD_MIN
+    modes = _feed(gate, 3, gate.HOLD_MIN + W, {True: 3, False: 4})  # a row left
+    assert gate.rate[False] == 4.0 and gate.rate[True] == 3.0  # both measured again at 3 rows
+    assert modes == [False] * gate.HOLD_MIN + [True] * W
+
+
+def _perm(seed):
+    ws = workspace()
+    tgt, tok = target(ws["target_perm"])
+    d = load_drafter(str(ws["perm_dspark_noisy"]), tgt, bits=16)
+    return tgt, tok, d, [int(t) for t in perm_chain(seed, 6)]
+
+
+class _Forced(batch.DraftGate):
+    """A gate held in one mode, counting the steps it saw."""
+
+    def __init__(self, mode: bool):
+        super().__init__()
+        self.mode, self.steps = mode, 0
+
+    def drafts(self, rows):
+        return self.mode
+
+    def record(self, tokens, seconds):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafts"])
+def test_rows_under_auto_equal_solo_runs_whatever_the_gate_says(drafts, monkeypatch):
+    monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: FLAT)
+    tgt, tok, d, _ = _perm(3)
+    prompts = [[int(t) for t in perm_chain(s, 6)] for s in (3, 4, 5)]
+    budgets = [30, 22, 26]
+    solo = [
+        generate(tgt, tok, None, prompt_ids=p, mode="dspark", drafter=d, max_new_tokens=n, max_draft="auto")
+        for p, n in zip(prompts, budgets)
+    ]
+    runs = [
+        start(tgt, tok, None, prompt_ids=p, mode="dspark", drafter=d, max_new_tokens=n, max_draft="auto")
+        for p, n in zip(prompts, budgets)
+    ]
+    for r in runs:
+        r.generation.step()  # the prefill
+    gate, most = _Forced(drafts), 0
+    while any(not r.generation.done for r in runs):
+        live = [r.generation for r in runs if not r.generation.done]
+        commits = batch.step_rows(live, gate if len(live) > 1 else None)
+        if len(live) > 1:
+            most = max(most, max(len(c.tokens) for c in commits))
+    for r, s in zip(runs, solo):
+        got = r.result()
+        assert got.tokens == s.tokens and got.text == s.text
+    assert gate.steps > 0
+    if drafts:
+        assert most > 1  # rounds committed several tokens (the perm drafter is good)
+    else:
+        assert most == 1  # plain steps only while rows shared a step, one token a row
+
+
+def test_rows_with_a_fixed_draft_length_ignore_the_gate(monkeypatch):
+    tgt, tok, d, _ = _perm(3)
+    prompts = [[int(t) for t in perm_chain(s, 6)] for s in (3, 4)]
+    runs = [start(tgt, tok, None, prompt_ids=p, mode="dspark", drafter=d, max_new_tokens=24) for p in prompts]
+    for r in runs:
+        r.generation.step()
+    gate, most = _Forced(False), 0
+    while all(not r.generation.done for r in runs):
+        most = max(most, max(len(c.tokens) for c in batch.step_rows([r.generation for r in runs], gate)))
+    assert gate.steps == 0 and most > 1  # asked for the full block every round: they draft
