@@ -231,9 +231,6 @@ class DraftGate:
         self.held = self.mode = best
         self._measuring, self._left = False, self.hold
 
-    def stats(self) -> dict:
-        return {"drafts": self.mode, "hold": self.hold, "rate": dict(self.rate)}
-
 
 def _adaptive(g: Generation) -> bool:
     return bool(getattr(getattr(g.proposer, "policy", None), "adaptive", False))
