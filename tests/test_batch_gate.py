@@ -29,34 +29,42 @@ def _feed(gate: batch.DraftGate, rows: int, steps: int, rate: dict) -> list[bool
 
 def test_gate_measures_both_modes_then_keeps_the_faster_and_holds_longer_while_it_wins():
     gate = batch.DraftGate()
-    modes = _feed(gate, 4, 2 * W, {True: 3, False: 4})
-    assert modes == [True] * W + [False] * W  # drafts first (the rows' policies decide), then plain
-    assert gate.mode is False and gate.rate == {True: 3.0, False: 4.0} and gate.hold == gate.HOLD_MIN
-    modes = _feed(gate, 4, gate.HOLD_MIN + W, {True: 3, False: 4})
-    assert modes == [False] * gate.HOLD_MIN + [True] * W  # the hold, then drafts measured again
+    modes = _feed(gate, 4, 2 * W + 1, {True: 7, False: 8})
+    # drafts first (the rows' policies decide), then plain: its first step pays the switch, uncounted
+    assert modes == [True] * W + [False] * (W + 1)
+    assert gate.mode is False and gate.rate == {True: 7.0, False: 8.0} and gate.hold == gate.HOLD_MIN
+    modes = _feed(gate, 4, gate.HOLD_MIN + W + 1, {True: 7, False: 8})
+    assert modes == [False] * gate.HOLD_MIN + [True] * (W + 1)  # the hold, then drafts measured again
     assert gate.mode is False and gate.hold == 2 * gate.HOLD_MIN  # plain won again: a longer hold
     # acceptance rose (say, the rows reached code): drafts measured after the hold win, and stay
-    modes = _feed(gate, 4, 2 * gate.HOLD_MIN + W, {True: 8, False: 4})
-    assert modes[-W:] == [True] * W and gate.mode is True and gate.hold == gate.HOLD_MIN
+    modes = _feed(gate, 4, 2 * gate.HOLD_MIN + W + 2, {True: 16, False: 8})
+    assert modes == [False] * (2 * gate.HOLD_MIN + 1) + [True] * (W + 1)  # the switch's step, the hold
+    assert gate.mode is True and gate.hold == gate.HOLD_MIN
 
 
-def test_gate_wants_drafts_to_win_by_its_margin():
+def test_gate_wants_drafts_to_win_by_its_margin_and_ends_a_window_early_when_far_behind():
     gate = batch.DraftGate()
-    _feed(gate, 2, 2 * W, {True: 100, False: 99})  # 1% faster: not enough
+    _feed(gate, 2, 2 * W + 1, {True: 100, False: 99})  # 1% faster: not enough
     assert gate.mode is False
     gate = batch.DraftGate()
-    _feed(gate, 2, 2 * W, {True: 110, False: 100})
+    _feed(gate, 2, 2 * W + 1, {True: 110, False: 100})
     assert gate.mode is True
+    # plain measured again after the hold, at half drafting's rate: half a window tells
+    modes = _feed(gate, 2, gate.HOLD_MIN + 2 + W // 2, {True: 110, False: 50})
+    assert modes == [True] * (gate.HOLD_MIN + 1) + [False] * (1 + W // 2)
+    assert gate.mode is True and gate.hold == 2 * gate.HOLD_MIN
 
 
 def test_a_new_row_count_forgets_the_rates_keeps_the_mode_and_cuts_a_long_hold():
     gate = batch.DraftGate()
-    _feed(gate, 4, 2 * W, {True: 3, False: 4})
-    _feed(gate, 4, gate.HOLD_MIN + 2 * W, {True: 3, False: 4})  # hold doubled, 2 W steps into it
+    rate = {True: 7, False: 8}
+    _feed(gate, 4, 2 * W + 1, rate)
+    _feed(gate, 4, gate.HOLD_MIN + W + 1, rate)
+    _feed(gate, 4, 2 * W, rate)  # the hold doubled; 2 W steps into it
     assert gate.mode is False and gate.hold == 2 * gate.HOLD_MIN
-    modes = _feed(gate, 3, gate.HOLD_MIN + W, {True: 3, False: 4})  # a row left
-    assert gate.rate[False] == 4.0 and gate.rate[True] == 3.0  # both measured again at 3 rows
-    assert modes == [False] * gate.HOLD_MIN + [True] * W
+    modes = _feed(gate, 3, gate.HOLD_MIN + W + 1, {True: 15, False: 16})  # a row left
+    assert gate.rate == {True: 15.0, False: 16.0}  # both measured again at 3 rows
+    assert modes == [False] * gate.HOLD_MIN + [True] * (W + 1) and gate.mode is False
 
 
 def _perm(seed):

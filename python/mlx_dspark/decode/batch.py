@@ -182,9 +182,10 @@ class DraftGate:
     HOLD_MIN to HOLD_MAX while the choice stands). A change of the row count measures both again
     soon. Output never depends on it: only which steps are rounds."""
 
-    WINDOW = 6  # steps per measurement (the first one after a switch included)
+    WINDOW = 8  # steps per measurement, after the first step of a mode (which pays the switch)
     HOLD_MIN, HOLD_MAX = 24, 384
     MARGIN = 1.03
+    EARLY = 0.8  # a measuring window ends half-way where its mode runs below this share of the other
 
     def __init__(self):
         self.rows = 0
@@ -193,7 +194,16 @@ class DraftGate:
         self.held: bool | None = None  # the mode the last comparison chose
         self.hold = self.HOLD_MIN
         self._measuring, self._left = True, self.WINDOW
+        self._switched = False  # the next step is the first of a mode
         self._tokens, self._seconds = 0, 0.0
+
+    def _clearly_behind(self) -> bool:
+        """Half a measuring window in, the mode measured is behind the other by far (EARLY):
+        the window ends there."""
+        other = self.rate[not self.mode]
+        if not self._measuring or other is None or self._left > self.WINDOW // 2:
+            return False
+        return self._tokens / max(self._seconds, 1e-9) < self.EARLY * other
 
     def reset(self, rows: int) -> None:
         """The batch now has `rows` rows: what was measured no longer holds. The mode stands;
@@ -216,18 +226,22 @@ class DraftGate:
 
     def record(self, tokens: int, seconds: float) -> None:
         """The step just run committed `tokens` over all rows in `seconds`."""
+        if self._switched:  # the first step of a mode pays the switch (a pipeline drained or
+            self._switched = False  # restarted): the modes are compared on the steps after it
+            return
         self._tokens += tokens
         self._seconds += seconds
         self._left -= 1
-        if self._left > 0:
+        if self._left > 0 and not self._clearly_behind():
             return
         self.rate[self.mode] = self._tokens / max(self._seconds, 1e-9)  # a window, or a whole hold
         self._tokens, self._seconds = 0, 0.0
         if not self._measuring or self.rate[not self.mode] is None:  # measure the other mode
-            self.mode, self._measuring, self._left = not self.mode, True, self.WINDOW
+            self.mode, self._measuring, self._left, self._switched = not self.mode, True, self.WINDOW, True
             return
         best = self.rate[True] > self.MARGIN * self.rate[False]
         self.hold = min(2 * self.hold, self.HOLD_MAX) if best == self.held else self.HOLD_MIN
+        self._switched = best != self.mode
         self.held = self.mode = best
         self._measuring, self._left = False, self.hold
 

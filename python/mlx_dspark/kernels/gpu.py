@@ -8,7 +8,16 @@ import threading
 
 import mlx.core as mx
 
-from .gpu_source import GA_CHUNK, GA_THREADS, SA_THREADS, SA_THREADS_METAL, cuda_instances, make_kernel, metal_instances
+from .gpu_source import (
+    GA_CHUNK,
+    GA_THREADS,
+    SA_THREADS,
+    SA_THREADS_METAL,
+    cuda_instances,
+    host_zeros,
+    make_kernel,
+    metal_instances,
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,7 +34,7 @@ def _draft_or_placeholder(draft: mx.array, B: int, k: int) -> mx.array:
     if k == 0:  # no draft: a cached one-element-per-row placeholder keeps the inputs non-empty
         z = _placeholders.get(B)
         if z is None:
-            z = _placeholders[B] = mx.zeros((B, 1), dtype=mx.int32)
+            z = _placeholders[B] = host_zeros((B, 1), mx.int32)
         return z
     if draft.dtype != mx.int32:
         draft = draft.astype(mx.int32)
@@ -83,7 +92,7 @@ def _f32(a: mx.array) -> mx.array:
 def _zeros(shape) -> mx.array:
     z = _placeholders.get(shape)
     if z is None:
-        z = _placeholders[shape] = mx.zeros(shape, dtype=mx.float32)
+        z = _placeholders[shape] = host_zeros(shape, mx.float32)
     return z
 
 

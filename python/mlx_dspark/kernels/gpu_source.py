@@ -141,6 +141,16 @@ def _try_include(line: str) -> bool:
         return False
 
 
+def host_zeros(shape: tuple, dtype):
+    """Zeros made on the host, not by a lazy op: a placeholder input cached across calls may be
+    used by another thread than the one that made it (serve's engine thread), and MLX keeps a
+    stream per thread, so a lazy array from one thread cannot be evaluated in another."""
+    import mlx.core as mx
+    import numpy as np
+
+    return mx.array(np.zeros(shape, dtype=np.float32).tolist(), dtype=dtype)
+
+
 def make_kernel(lang: str, inst: Instance, ensure_row_contiguous: bool = True):
     """The `mx.fast.cuda_kernel` (lang "cuda") or `mx.fast.metal_kernel` of `inst`; on CUDA the
     body files are #included where that works (see above), else their text is inlined."""

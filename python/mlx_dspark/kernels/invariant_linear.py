@@ -42,7 +42,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import native as _native
-from .gpu_source import Instance, make_kernel
+from .gpu_source import Instance, host_zeros, make_kernel
 from .gpu_source import instance as gpu_instance
 
 THREADS = 128  # DS_IL_THREADS
@@ -169,7 +169,7 @@ _placeholders: dict = {}
 def _no_bias(dtype) -> mx.array:
     z = _placeholders.get(dtype)
     if z is None:  # never read (HB says so), but a device buffer on Metal like the real biases
-        z = _placeholders[dtype] = mx.zeros((MIN_DEVICE_ELEMS,), dtype=dtype)
+        z = _placeholders[dtype] = host_zeros((MIN_DEVICE_ELEMS,), dtype)
     return z
 
 

@@ -141,13 +141,15 @@ def row_subset(proj, ids: mx.array) -> Callable[[mx.array], mx.array]:
         return fq
     bias = mod.bias[ids] if "bias" in mod else None
     mx.eval(w, *([bias] if bias is not None else []))
-    wt = w.T
 
     def f(x):
         y = native_products.dense(x, w, bias)  # a drafter pass on the CPU
         if y is not None:
             return y
-        return x @ wt if bias is None else mx.addmm(bias, x, wt)
+        # w.T here, not once at load: a lazy array (a transpose view too) built in the loading
+        # thread cannot be evaluated in another (MLX keeps a stream per thread; serve decodes in
+        # its engine thread)
+        return x @ w.T if bias is None else mx.addmm(bias, x, w.T)
 
     f.dense_weight = w  # the gathered rows, for a kernel that takes the weight itself
     return f
