@@ -75,17 +75,17 @@ def _perm(seed):
 
 
 class _Forced(batch.DraftGate):
-    """A gate held in one mode, counting the steps it saw."""
+    """A gate held in one mode, counting the steps it measured."""
 
     def __init__(self, mode: bool):
         super().__init__()
-        self.mode, self.steps = mode, 0
+        self.mode, self.seen = mode, 0
 
     def drafts(self, rows):
         return self.mode
 
     def record(self, tokens, seconds):
-        self.steps += 1
+        self.seen += 1
 
 
 @pytest.mark.parametrize("drafts", [False, True], ids=["plain", "drafts"])
@@ -113,7 +113,7 @@ def test_rows_under_auto_equal_solo_runs_whatever_the_gate_says(drafts, monkeypa
     for r, s in zip(runs, solo):
         got = r.result()
         assert got.tokens == s.tokens and got.text == s.text
-    assert gate.steps > 0
+    assert gate.seen > 0 and gate.steps[drafts] == gate.seen
     if drafts:
         assert most > 1  # rounds committed several tokens (the perm drafter is good)
     else:
@@ -129,4 +129,38 @@ def test_rows_with_a_fixed_draft_length_ignore_the_gate(monkeypatch):
     gate, most = _Forced(False), 0
     while all(not r.generation.done for r in runs):
         most = max(most, max(len(c.tokens) for c in batch.step_rows([r.generation for r in runs], gate)))
-    assert gate.steps == 0 and most > 1  # asked for the full block every round: they draft
+    assert gate.seen == 0 and most > 1  # asked for the full block every round: they draft
+    assert gate.steps[True] > 0  # counted as steps where rows could draft
+
+
+def test_the_server_counts_its_batched_steps_by_whether_rows_could_draft(monkeypatch):
+    """/metrics' mlx_dspark_batched_steps_total: every step two requests shared, drafts allowed or
+    not; each answer still equals the request run alone."""
+    from mlx_dspark.serve.engine import Engine, GenRequest
+    from mlx_dspark.serve.metrics import Metrics
+
+    monkeypatch.setattr(cost_curves, "costs_for", lambda target, drafter=None: FLAT)
+    tgt, tok, d, _ = _perm(3)
+    prompts = [[int(t) for t in perm_chain(s, 6)] for s in (3, 4)]
+    solo = [
+        generate(tgt, tok, None, prompt_ids=p, mode="dspark", drafter=d, max_new_tokens=40, max_draft="auto")
+        for p in prompts
+    ]
+    eng = Engine(tgt, tok, mode="dspark", drafter=d, max_draft="auto", max_batch=2).start()
+    assert Engine(tgt, tok, mode="dspark", drafter=d).batch_steps() is None  # no batching, no figure
+    try:
+        jobs = [eng.submit(GenRequest(prompt_ids=p, max_tokens=40)) for p in prompts]
+        for job, s in zip(jobs, solo):
+            ev = None
+            while ev is None or ev[0] not in ("done", "error", "cancelled"):
+                ev = job.next_event(5.0)
+            assert ev[0] == "done", ev
+            res = job.outcome.result  # (the server holds back a split character at the end)
+            assert res.tokens == s.tokens and res.text == s.text.rstrip("\ufffd")
+        steps = eng.batch_steps()
+    finally:
+        eng.stop()
+    assert steps["drafts"] + steps["plain"] > 0
+    text = Metrics().render(busy=False, queue_depth=0, batch=steps)
+    assert f'mlx_dspark_batched_steps_total{{drafts="allowed"}} {steps["drafts"]}' in text
+    assert f'mlx_dspark_batched_steps_total{{drafts="off"}} {steps["plain"]}' in text

@@ -159,6 +159,7 @@ class Engine:
         self.max_batch = max(int(max_batch), 1)  # rows per target forward (serve/batch.py)
         self.max_kv_mb = max_kv_mb  # the KV budget of the running requests (None: none)
         self.running: list[Job] = []  # the rows of the batch now (max_batch > 1)
+        self.scheduler = None  # serve/batch.py's BatchScheduler once started with max_batch > 1
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.max_queue = max_queue
         self._thread: threading.Thread | None = None
@@ -188,7 +189,8 @@ class Engine:
             if self.max_batch > 1:
                 from .batch import BatchScheduler
 
-                loop = BatchScheduler(self).run
+                self.scheduler = BatchScheduler(self)
+                loop = self.scheduler.run
             self._thread = threading.Thread(target=loop, name="mlx-dspark-engine", daemon=True)
             self._thread.start()
         return self
@@ -244,6 +246,14 @@ class Engine:
         if self.metrics:
             self.metrics.gauge_queue(self._queue.qsize())
         return job
+
+    def batch_steps(self) -> dict | None:
+        """Batched steps run so far, with drafts allowed and without (decode/batch.DraftGate);
+        None without continuous batching."""
+        if self.scheduler is None:
+            return None
+        steps = self.scheduler.gate.steps
+        return {"drafts": steps[True], "plain": steps[False]}
 
     @property
     def queue_depth(self) -> int:

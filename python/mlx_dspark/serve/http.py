@@ -386,7 +386,9 @@ class Handler(BodyReader, BaseHTTPRequestHandler):
             return self._send_json(200, self.server.health())
         if name == "metrics":
             pc = engine.prefix_cache.describe() if engine.prefix_cache is not None else None
-            text = self.server.metrics.render(busy=engine.busy, queue_depth=engine.queue_depth, prefix_cache=pc)
+            text = self.server.metrics.render(
+                busy=engine.busy, queue_depth=engine.queue_depth, prefix_cache=pc, batch=engine.batch_steps()
+            )
             return self._send_text(200, text, "text/plain; version=0.0.4; charset=utf-8")
         if path.startswith("/v1/responses/"):
             return self._send_json(200, responses.get_response(engine, path[len("/v1/responses/") :]))

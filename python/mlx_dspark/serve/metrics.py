@@ -90,7 +90,9 @@ class Metrics:
             if job.ttft_s is not None:
                 self.ttft.observe(job.ttft_s)
 
-    def render(self, *, busy: bool, queue_depth: int, prefix_cache: dict | None = None) -> str:
+    def render(
+        self, *, busy: bool, queue_depth: int, prefix_cache: dict | None = None, batch: dict | None = None
+    ) -> str:
         L: list[str] = []
 
         def head(name, kind, text):
@@ -130,6 +132,15 @@ class Metrics:
         L.append(f"mlx_dspark_prefill_tokens_total {self.prefill_total}")
         head("mlx_dspark_busy", "gauge", "1 while the engine is generating.")
         L.append(f"mlx_dspark_busy {int(busy)}")
+        if batch is not None:
+            head(
+                "mlx_dspark_batched_steps_total",
+                "counter",
+                "Steps several requests shared, by whether their rows could draft (--max-draft auto: "
+                "only while drafting measures faster than plain batched steps).",
+            )
+            L.append(f'mlx_dspark_batched_steps_total{{drafts="allowed"}} {batch.get("drafts", 0)}')
+            L.append(f'mlx_dspark_batched_steps_total{{drafts="off"}} {batch.get("plain", 0)}')
         if prefix_cache is not None:
             for key, text in (
                 ("hits", "Prompts that reused a cached prefix."),
