@@ -196,7 +196,7 @@ class DraftGate:
         self._measuring, self._left = True, self.WINDOW
         self._switched = False  # the next step is the first of a mode
         self._tokens, self._seconds = 0, 0.0
-        self.steps = {True: 0, False: 0}  # batched steps, by whether rows could draft (/metrics)
+        self.steps = {True: 0, False: 0}  # the steps it decided, by whether rows could draft (/metrics)
 
     def _clearly_behind(self) -> bool:
         """Half a measuring window in, the mode measured is behind the other by far (EARLY):
@@ -259,7 +259,6 @@ def step_rows(gens: Sequence[Generation], gate: DraftGate | None = None) -> list
     if len(gens) == 1 and gens[0].prefilled and not gens[0].done:
         return [gens[0].step()]  # a lone generation steps exactly as it does alone
     t0 = time.perf_counter()
-    counts = gate
     if gate is not None and not all(_adaptive(g) for g in gens):
         gate = None  # a row with a fixed draft length drafts as asked
     drafts = gate.drafts(len(gens)) if gate is not None else True
@@ -286,9 +285,8 @@ def step_rows(gens: Sequence[Generation], gate: DraftGate | None = None) -> list
     for g in gens:
         g.res.decode_s += dt
     if gate is not None:
+        gate.steps[drafts] += 1
         gate.record(sum(len(c.tokens) for c in commits), dt)
-    if counts is not None:
-        counts.steps[drafts] += 1
     return commits
 
 

@@ -248,8 +248,8 @@ class Engine:
         return job
 
     def batch_steps(self) -> dict | None:
-        """Batched steps run so far, with drafts allowed and without (decode/batch.DraftGate);
-        None without continuous batching."""
+        """Batched steps of --max-draft auto rows so far, with drafts allowed and without
+        (decode/batch.DraftGate); None without continuous batching."""
         if self.scheduler is None:
             return None
         steps = self.scheduler.gate.steps

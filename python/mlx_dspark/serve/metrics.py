@@ -136,8 +136,8 @@ class Metrics:
             head(
                 "mlx_dspark_batched_steps_total",
                 "counter",
-                "Steps several requests shared, by whether their rows could draft (--max-draft auto: "
-                "only while drafting measures faster than plain batched steps).",
+                "Steps several --max-draft auto requests shared, by whether the draft gate let their rows "
+                "draft (only while drafting measures faster than plain batched steps).",
             )
             L.append(f'mlx_dspark_batched_steps_total{{drafts="allowed"}} {batch.get("drafts", 0)}')
             L.append(f'mlx_dspark_batched_steps_total{{drafts="off"}} {batch.get("plain", 0)}')
