@@ -33,6 +33,10 @@
 #   bash bench/h200_invariance.sh auto-steps            # every step of auto, k7, a parked drafter and baseline timed on
 #                                                       # the diag prompts, AS_REPS (4) in one process, auto's timeline
 #                                                       # (diag_auto_steps.py, <= AS_LIMIT 150 s; $OUT/auto-steps.txt)
+#   AB_FILE=python/mlx_dspark/decode/loop.py AB_SED='/MARK/{n;d}' bash bench/h200_invariance.sh steps-ab
+#                                                       # a code change A/B: diag_auto_steps.py on the tree and on a copy
+#                                                       # of python/ with AB_SED undoing it, AB_PROCS (2) processes a side
+#                                                       # in turn ($OUT/steps-ab-{after,before}-N.txt)
 #   AB_SET=ALPHA=0.1 bash bench/h200_invariance.sh auto-ab   # a policy constant live: diag_auto_ahead.py with and
 #                                                       # without `--set $AB_SET`, AB_PROCS (2) processes a side in
 #                                                       # turn, AB_REPS (4) each ($OUT/auto-ab-{base,set}-N.txt)
@@ -209,6 +213,20 @@ for step in "$@"; do
   auto-steps)  # where the live auto loses what the simulator does not see (policy-sim.md, session 28)
     timeout "${AS_LIMIT:-150}" python3 bench/diag_auto_steps.py --model "$MLX_DSPARK_DEMO_GGUF" --dtype bfloat16 \
       --reps "${AS_REPS:-4}" --timeline 2>&1 | grep -v -e Warn -e clean_up | tee "$OUT/auto-steps.txt" | tail -5; el ;;
+  steps-ab)  # AB_FILE's edit undone by AB_SED in a copy of python/ ("before") against the tree ("after"):
+    # diag_auto_steps.py on AB_PROMPTS (chat,code), processes alternating, AB_PROCS (2) a side ($OUT/steps-ab-SIDE-N.txt)
+    : "${AB_FILE:?steps-ab needs AB_FILE (under python/) and AB_SED (a sed script that undoes the change there)}"
+    rm -rf /tmp/ab-before && cp -r python /tmp/ab-before && sed -i "$AB_SED" "/tmp/ab-before/${AB_FILE#python/}"
+    if diff -q "$AB_FILE" "/tmp/ab-before/${AB_FILE#python/}" > /dev/null; then echo "AB_SED changed nothing"; exit 1; fi
+    for i in $(seq "${AB_PROCS:-2}"); do
+      for side in after before; do
+        src=$PWD/python; [ "$side" = before ] && src=/tmp/ab-before
+        PYTHONPATH=/tmp/site:$src timeout "${AB_LIMIT:-120}" python3 bench/diag_auto_steps.py --model "$MLX_DSPARK_DEMO_GGUF" \
+          --dtype bfloat16 --reps "${AS_REPS:-3}" --prompts "${AB_PROMPTS:-chat,code}" --timeline 2>&1 \
+          | grep -v -e Warn -e clean_up > "$OUT/steps-ab-$side-$i.txt"
+        echo "$side $i:"; tail -3 "$OUT/steps-ab-$side-$i.txt"
+      done
+    done; el ;;
   auto-ab)  # AB_SET (e.g. ALPHA=0.1): a simulator's candidate against the policy as it is, processes alternating
     : "${AB_SET:?auto-ab needs AB_SET=NAME=VALUE (a constant of decode/policy.py)}"
     for i in $(seq "${AB_PROCS:-2}"); do

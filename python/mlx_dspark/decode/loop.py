@@ -457,6 +457,9 @@ class Generation:
         if taps:
             self.proposer.observe(0, 0, out.hidden[0])
         self.pending = self.acceptor.sample(out.logits[0, -1], self.history)
+        # Start the forward now: the next step (pipelined) builds its own forward while this one
+        # runs, instead of enqueueing both at once after building (a GPU idled through that build).
+        mx.async_eval(self.pending)
         self.pending_row = out.logits[0, -1:] if self.sampling.logprobs else None
         self.pending_is_round = True
         return first
