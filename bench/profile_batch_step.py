@@ -1,0 +1,135 @@
+"""Where a batched plain step's time goes, per row count: the host's share against the device's.
+
+  python bench/profile_batch_step.py [--model GGUF] [--dtype bfloat16] [--rows 1,4,8] [--steps 48] [--top 18]
+                                      [--out F.md]
+
+Issue 18's bar (B = 4 batched baseline >= 2.5x serial on the H200) asks a step of 4 rows to cost
+at most 1.6 steps of one. For each row count B: B generations of the same chat prompts in
+baseline mode, prefilled, then `--steps` steps of decode/batch.step_rows timed after a warm-up
+(B = 1 is the solo pipelined step). Per B: ms per step and per token (best of two runs), then a
+cProfile of a third run: the functions with the most own time (the host's share, by where it
+went) and the own time of the steps' finishes, where the host waits for the device. Output and
+ids are never compared here (bench_batch.py does): this only times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import _package  # noqa: F401  (the installed mlx_dspark, else python/)
+
+PROMPTS = (
+    "Explain in a few sentences why the sky is blue.",
+    "Give me three tips for sleeping better, one sentence each.",
+    "What is the difference between a virus and a bacterium?",
+    "Describe a quiet morning in a small coastal town.",
+    "Write a short note thanking a colleague for their help.",
+    "What are the main causes of inflation?",
+    "Summarize the plot of a heist story in four sentences.",
+    "How do plants make their food?",
+)
+
+
+def _gens(target, tok, rows: int, tokens: int):
+    import mlx_dspark as md
+    from mlx_dspark.api import start
+
+    gens = []
+    for i in range(rows):
+        ids = md.encode_prompt(tok, PROMPTS[i % len(PROMPTS)])
+        g = start(target, tok, None, prompt_ids=ids, max_new_tokens=tokens, mode="baseline").generation
+        g.step()  # the prefill
+        gens.append(g)
+    return gens
+
+
+def _run(target, tok, rows: int, steps: int, warm: int, profile: cProfile.Profile | None):
+    from mlx_dspark.decode import batch
+
+    gens = _gens(target, tok, rows, steps + warm + 4)
+    for _ in range(warm):
+        batch.step_rows(gens)
+    if profile is not None:
+        profile.enable()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch.step_rows(gens)
+    dt = time.perf_counter() - t0
+    if profile is not None:
+        profile.disable()
+    return dt
+
+
+def _top(profile: cProfile.Profile, steps: int, n: int) -> tuple[list[str], float]:
+    """The functions with the most own time, µs per step; and the own time of the steps' finishes
+    (loop.py's _finish_*), µs per step: mostly the wait for the device, since MLX's calls (item,
+    async_eval: nanobind functions) are invisible to cProfile and count as their caller's own time."""
+    s = io.StringIO()
+    st = pstats.Stats(profile, stream=s)
+    rows, wait = [], 0.0
+    for (file, line, name), (_, calls, own, cum, _) in st.stats.items():
+        where = f"{file.rsplit('/', 1)[-1]}:{line}({name})" if line else name
+        rows.append((own, cum, calls, where))
+        if file.endswith("loop.py") and name.startswith("_finish"):
+            wait += own
+    rows.sort(reverse=True)
+    lines = [
+        f"| {where} | {own / steps * 1e6:.0f} | {cum / steps * 1e6:.0f} | {calls / steps:.1f} |"
+        for own, cum, calls, where in rows[:n]
+    ]
+    return lines, wait / steps * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--warm", type=int, default=8)
+    ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from mlx_dspark import benchmark as bm
+    from mlx_dspark.benchmark import device_stamp
+
+    model, target, tok = bm.load_bench_target(args.model, args.dtype)
+    out = [
+        f"## profile_batch_step: {model} ({args.dtype or 'default dtype'}); {device_stamp()}",
+        f"decode path {target.invariance}; compiled rows: {getattr(target, 'compiled_decode', None) is not None}; "
+        f"{args.steps} timed steps after {args.warm}, baseline mode",
+        "",
+    ]
+    solo = None
+    for rows in [int(x) for x in args.rows.split(",")]:
+        plain = min(_run(target, tok, rows, args.steps, args.warm, None) for _ in range(2))
+        prof = cProfile.Profile()
+        profiled = _run(target, tok, rows, args.steps, args.warm, prof)
+        ms = plain / args.steps * 1e3
+        solo = solo if solo is not None else (ms if rows == 1 else None)
+        top, wait = _top(prof, args.steps, args.top)
+        vs = f"; {ms / solo:.2f}x the B = 1 step ({rows * solo / ms:.2f}x its throughput)" if solo else ""
+        out += [
+            f"### B = {rows}: {ms:.2f} ms a step, {ms / rows:.2f} ms a token (best of 2){vs}",
+            f"profiled: {profiled / args.steps * 1e3:.2f} ms a step; the finishes' own time (mostly the wait "
+            f"for the device): {wait / 1e3:.2f} ms a step",
+            "",
+            "| function | own µs/step | cumulative µs/step | calls/step |",
+            "|---|---:|---:|---:|",
+            *top,
+            "",
+        ]
+        print("\n".join(out[-(len(top) + 6) :]), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
