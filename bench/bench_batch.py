@@ -235,6 +235,7 @@ def main(argv=None) -> int:
     )
     say("|---|---|---|---|---|---|---|---|")
     agg: dict = {}  # (mode, B) -> batched tok/s
+    gated: dict = {}  # B -> auto's batched steps in its timed run, by the draft gate's choice
     lone: dict = {}
     mismatches = 0
     serial_runs: dict = {}  # mode -> [(wall, cpu, [Job])], each request alone
@@ -252,7 +253,11 @@ def main(argv=None) -> int:
             sjobs = [r[2][0] for r in runs]
             if args.warm_batched:  # the same requests once untimed: every (rows, width) shape they meet is built
                 _run(engines[mode][1], prompts[:B], tokens)
+            before = engines[mode][1].batch_steps()
             wall, cpu, bjobs = _run(engines[mode][1], prompts[:B], tokens)
+            after = engines[mode][1].batch_steps()
+            if mode == "auto" and before is not None and after is not None:
+                gated[B] = {k: after[k] - before[k] for k in after}
             n = sum(len(_tokens(j)) for j in bjobs)
             tok_bad = sum(_tokens(a) != _tokens(b) for a, b in zip(bjobs, sjobs[:B]))
             text_bad = sum(_text(a) != _text(b) for a, b in zip(bjobs, sjobs[:B]))
@@ -289,6 +294,14 @@ def main(argv=None) -> int:
         for B in batches:
             if (base, B) in agg and (spec, B) in agg:
                 say(f"| {B} | {agg[base, B]:.1f} | {agg[spec, B]:.1f} | {agg[spec, B] / agg[base, B]:.2f}x |")
+    if gated:
+        say()
+        say(
+            "auto's draft gate (decode/batch.DraftGate), the batched steps of each timed run by its choice: "
+            + "; ".join(
+                f"B = {B}: {g['drafts']} with drafts allowed, {g['plain']} plain" for B, g in sorted(gated.items())
+            )
+        )
     say()
     for mode, (rw, rc, n) in lone.items():
         say(

@@ -34,34 +34,39 @@ PROMPTS = (
 )
 
 
-def _gens(target, tok, rows: int, tokens: int):
+def _gen(target, tok, i: int, tokens: int):
+    """A prefilled baseline generation of prompt i (its prefill run here, untimed)."""
     import mlx_dspark as md
     from mlx_dspark.api import start
 
-    gens = []
-    for i in range(rows):
-        ids = md.encode_prompt(tok, PROMPTS[i % len(PROMPTS)])
-        g = start(target, tok, None, prompt_ids=ids, max_new_tokens=tokens, mode="baseline").generation
-        g.step()  # the prefill
-        gens.append(g)
-    return gens
+    ids = md.encode_prompt(tok, PROMPTS[i % len(PROMPTS)])
+    g = start(target, tok, None, prompt_ids=ids, max_new_tokens=tokens, mode="baseline").generation
+    g.step()
+    return g
 
 
-def _run(target, tok, rows: int, steps: int, warm: int, profile: cProfile.Profile | None):
+def _run(target, tok, rows: int, steps: int, warm: int, profile: cProfile.Profile | None) -> float:
+    """Seconds of `steps` timed step_rows calls over `rows` rows; a row whose answer ends is
+    replaced by a fresh prefilled one between steps, untimed (and unprofiled)."""
     from mlx_dspark.decode import batch
 
-    gens = _gens(target, tok, rows, steps + warm + 4)
-    for _ in range(warm):
+    n = 0
+    gens = [_gen(target, tok, (n := n + 1), 256) for _ in range(rows)]
+    total = 0.0
+    for k in range(warm + steps):
+        for j, g in enumerate(gens):
+            if g.done:
+                gens[j] = _gen(target, tok, (n := n + 1), 256)
+        timed = k >= warm
+        if timed and profile is not None:
+            profile.enable()
+        t0 = time.perf_counter()
         batch.step_rows(gens)
-    if profile is not None:
-        profile.enable()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        batch.step_rows(gens)
-    dt = time.perf_counter() - t0
-    if profile is not None:
-        profile.disable()
-    return dt
+        dt = time.perf_counter() - t0
+        if timed and profile is not None:
+            profile.disable()
+        total += dt if timed else 0.0
+    return total
 
 
 def _top(profile: cProfile.Profile, steps: int, n: int) -> tuple[list[str], float]:
