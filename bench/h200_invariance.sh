@@ -42,8 +42,8 @@
 #                                                       # turn, AB_REPS (4) each ($OUT/auto-ab-{base,set}-N.txt)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
-#   bash bench/h200_invariance.sh batch-profile         # a batched plain step's time at B = BP_ROWS (1,4,8): its host
-#                                                       # share by function, the wait for the device ($OUT/batch-profile.md)
+#   bash bench/h200_invariance.sh batch-profile         # a batched plain step's time at B = BP_ROWS (1,4,8): its
+#                                                       # Python by function, MLX's evaluation ($OUT/batch-profile.md)
 #   bash bench/h200_invariance.sh lone                  # the lone request, each engine in its own process (bench_lone.py)
 #   PAR_STEPS="identity-par ftests" bash bench/h200_invariance.sh par   # steps at once, logs in $OUT/par-STEP.log
 #   bash bench/h200_invariance.sh families              # MoE expert + masked attention + hybrid GPU tests, then every
@@ -246,7 +246,7 @@ for step in "$@"; do
       --out "$OUT/batch-h200.md" 2>&1 | tail -30; el
     python3 bench/bench_prefix_cache.py --dtype "${BATCH_DTYPE:-bfloat16}" --rounds 2 --budget-s "${PREFIX_BUDGET:-65}" \
       --prompts "$C/eval" --out "$OUT/batch-h200.md" 2>&1 | tail -8; el ;;
-  batch-profile)  # a batched plain step's time by row count, host against device (profile_batch_step.py)
+  batch-profile)  # a batched plain step's time by row count, Python against MLX's evaluation (profile_batch_step.py)
     timeout "${BP_LIMIT:-150}" python3 bench/profile_batch_step.py --model "$MLX_DSPARK_DEMO_GGUF" --dtype bfloat16 \
       --rows "${BP_ROWS:-1,4,8}" --out "$OUT/batch-profile.md" 2>&1 | grep -v -e Warn -e clean_up | tail -70; el ;;
   lone)  # the lone request: each engine in a process of its own (bench_lone.py; $OUT/lone.md)

@@ -1,4 +1,4 @@
-"""Where a batched plain step's time goes, per row count: the host's share against the device's.
+"""Where a batched plain step's time goes, per row count: the host's Python against MLX's evaluation.
 
   python bench/profile_batch_step.py [--model GGUF] [--dtype bfloat16] [--rows 1,4,8] [--steps 48] [--top 18]
                                       [--out F.md]
@@ -7,9 +7,11 @@ Issue 18's bar (B = 4 batched baseline >= 2.5x serial on the H200) asks a step o
 at most 1.6 steps of one. For each row count B: B generations of the same chat prompts in
 baseline mode, prefilled, then `--steps` steps of decode/batch.step_rows timed after a warm-up
 (B = 1 is the solo pipelined step). Per B: ms per step and per token (best of two runs), then a
-cProfile of a third run: the functions with the most own time (the host's share, by where it
-went) and the own time of the steps' finishes, where the host waits for the device. Output and
-ids are never compared here (bench_batch.py does): this only times.
+cProfile of a third run: the functions with the most own time (the host's Python, by where it
+went) and the own time of the steps' finishes (loop.py's _finish_*), which holds MLX's evaluation
+of the step: its C++ launches of every kernel and the wait for the device (MLX's calls are
+nanobind functions, invisible to cProfile; it cannot split the two). Output and ids are never
+compared here (bench_batch.py does): this only times.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ def _run(target, tok, rows: int, steps: int, warm: int, profile: cProfile.Profil
 
 def _top(profile: cProfile.Profile, steps: int, n: int) -> tuple[list[str], float]:
     """The functions with the most own time, µs per step; and the own time of the steps' finishes
-    (loop.py's _finish_*), µs per step: mostly the wait for the device, since MLX's calls (item,
-    async_eval: nanobind functions) are invisible to cProfile and count as their caller's own time."""
+    (loop.py's _finish_*), µs per step: MLX's evaluation (kernel launches) and the wait for the
+    device, since MLX's calls (async_eval, item) are invisible to cProfile."""
     s = io.StringIO()
     st = pstats.Stats(profile, stream=s)
     rows, wait = [], 0.0
@@ -121,8 +123,8 @@ def main() -> int:
         vs = f"; {ms / solo:.2f}x the B = 1 step ({rows * solo / ms:.2f}x its throughput)" if solo else ""
         out += [
             f"### B = {rows}: {ms:.2f} ms a step, {ms / rows:.2f} ms a token (best of 2){vs}",
-            f"profiled: {profiled / args.steps * 1e3:.2f} ms a step; the finishes' own time (mostly the wait "
-            f"for the device): {wait / 1e3:.2f} ms a step",
+            f"profiled: {profiled / args.steps * 1e3:.2f} ms a step; the finishes' own time (MLX's evaluation: "
+            f"its kernel launches and the wait for the device): {wait / 1e3:.2f} ms a step",
             "",
             "| function | own µs/step | cumulative µs/step | calls/step |",
             "|---|---:|---:|---:|",
