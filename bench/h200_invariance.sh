@@ -44,6 +44,8 @@
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
 #   bash bench/h200_invariance.sh batch-profile         # a batched plain step's time at B = BP_ROWS (1,4,8): its
 #                                                       # Python by function, MLX's evaluation ($OUT/batch-profile.md)
+#   bash bench/h200_invariance.sh mlx-env               # MLX's CUDA knobs (CUDA graphs, ops per graph, graph cache) against
+#                                                       # a batched step: profile_batch_step.py a process per MLX_ENV entry
 #   bash bench/h200_invariance.sh lone                  # the lone request, each engine in its own process (bench_lone.py)
 #   PAR_STEPS="identity-par ftests" bash bench/h200_invariance.sh par   # steps at once, logs in $OUT/par-STEP.log
 #   bash bench/h200_invariance.sh families              # MoE expert + masked attention + hybrid GPU tests, then every
@@ -249,6 +251,14 @@ for step in "$@"; do
   batch-profile)  # a batched plain step's time by row count, Python against MLX's evaluation (profile_batch_step.py)
     timeout "${BP_LIMIT:-150}" python3 bench/profile_batch_step.py --model "$MLX_DSPARK_DEMO_GGUF" --dtype bfloat16 \
       --rows "${BP_ROWS:-1,4,8}" --out "$OUT/batch-profile.md" 2>&1 | grep -v -e Warn -e clean_up | tail -70; el ;;
+  mlx-env)  # MLX's CUDA knobs against a batched step: profile_batch_step.py once per MLX_ENV entry (space-separated,
+    # `default` = none; commas join several NAME=VALUE), each in its own process ($OUT/mlx-env.md)
+    for v in ${MLX_ENV:-default MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000}; do
+      env_args=(); [ "$v" != default ] && IFS=, read -r -a env_args <<< "$v"
+      echo "### $v" | tee -a "$OUT/mlx-env.md"
+      env "${env_args[@]}" timeout "${ME_LIMIT:-90}" python3 bench/profile_batch_step.py --model "$MLX_DSPARK_DEMO_GGUF" \
+        --dtype bfloat16 --rows "${BP_ROWS:-1,4,8}" --top 0 2>&1 | grep -e '^### B' -e '^profiled' | tee -a "$OUT/mlx-env.md"
+    done; el ;;
   lone)  # the lone request: each engine in a process of its own (bench_lone.py; $OUT/lone.md)
     timeout "${LONE_LIMIT:-400}" python3 bench/bench_lone.py --dtype "${BATCH_DTYPE:-bfloat16}" \
       --procs "${LONE_PROCS:-2}" --repeat 3 --budget-s $(( ${LONE_LIMIT:-400} - 90 )) --out "$OUT/lone.md" 2>&1 | tail -10; el ;;
