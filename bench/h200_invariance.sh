@@ -46,6 +46,8 @@
 #                                                       # Python by function, MLX's evaluation ($OUT/batch-profile.md)
 #   bash bench/h200_invariance.sh mlx-env               # MLX's CUDA knobs (CUDA graphs, ops per graph, graph cache) against
 #                                                       # a batched step: profile_batch_step.py a process per MLX_ENV entry
+#   bash bench/h200_invariance.sh engine-modes          # baseline / dspark / auto on bench_batch's prompts, direct and
+#                                                       # through a serial engine (diag_engine_modes.py; $OUT/engine-modes.md)
 #   bash bench/h200_invariance.sh lone                  # the lone request, each engine in its own process (bench_lone.py)
 #   PAR_STEPS="identity-par ftests" bash bench/h200_invariance.sh par   # steps at once, logs in $OUT/par-STEP.log
 #   bash bench/h200_invariance.sh families              # MoE expert + masked attention + hybrid GPU tests, then every
@@ -259,6 +261,9 @@ for step in "$@"; do
       env "${env_args[@]}" timeout "${ME_LIMIT:-90}" python3 bench/profile_batch_step.py --model "$MLX_DSPARK_DEMO_GGUF" \
         --dtype bfloat16 --rows "${BP_ROWS:-1,4,8}" --top 0 2>&1 | grep -e '^### B' -e '^profiled' | tee -a "$OUT/mlx-env.md"
     done; el ;;
+  engine-modes)  # each mode on bench_batch.py's prompts, direct and through a serial engine (diag_engine_modes.py)
+    timeout "${EM_LIMIT:-240}" python3 bench/diag_engine_modes.py --model "$MLX_DSPARK_DEMO_GGUF" --dtype bfloat16 \
+      --reps "${EM_REPS:-2}" 2>&1 | grep -v -e Warn -e clean_up | tee "$OUT/engine-modes.md" | tail -32; el ;;
   lone)  # the lone request: each engine in a process of its own (bench_lone.py; $OUT/lone.md)
     timeout "${LONE_LIMIT:-400}" python3 bench/bench_lone.py --dtype "${BATCH_DTYPE:-bfloat16}" \
       --procs "${LONE_PROCS:-2}" --repeat 3 --budget-s $(( ${LONE_LIMIT:-400} - 90 )) --out "$OUT/lone.md" 2>&1 | tail -10; el ;;
