@@ -7,8 +7,10 @@ attention launch (the invariant op's offset form) and two cache writes (mx.slice
 these queue on one stream, so their latencies add. This times, on the demo's shapes (9 query
 heads, 3 KV heads, head dim 64, KV buffers of 1024 positions, `--keys` of them filled), 30 layers'
 worth of: B attention launches of one row each; one launch of B rows (the same kernel with a
-batch of B; one offset for all, so a timing stand-in only); 2B slice updates; and, as the floor,
-30 launches of one row. Device time: every call enqueued, one eval at the end, best of `--reps`.
+batch of B; one offset for all, so a timing stand-in only); and 2B slice updates a layer (each
+copies its buffer here, its input staying referenced; in the compiled step MLX may write in place).
+B = 1's "a launch a row" is the floor. Time: every call enqueued, one eval at the end, best of
+`--reps` (MLX's launches and the device's work together, as in a step).
 """
 
 from __future__ import annotations
