@@ -7,11 +7,12 @@ On the H100 (bench/results/batch-h200.md, thirtieth session) the serial auto eng
 0.67-0.96x the serial baseline engine over bench_batch.py's first 1-8 prompts, below the serial
 DSpark engine (the full block every round, 0.78-1.29x) everywhere. This separates the two
 candidates: the prompts (auto is below the full block on chat in direct generation too,
-diag_auto_steps.py), or the engine. Per mode and prompt, after one untimed pass of every
-prompt: decode tok/s of a direct generation (api.start, stepped to its end) and of the same request through serve/engine.py's
-Engine with --max-batch 1 (decode tok/s from its result; wall tok/s from submit to delivery),
-best of `--reps`, with the rounds, tokens a round and plain steps of the last direct run. Ratios are to
-baseline's of the same path. Every mode's ids and text equal baseline's on both paths (checked).
+diag_auto_steps.py), or the engine. Per mode and prompt, after one untimed pass of every prompt:
+decode tok/s of a direct generation (api.start, stepped to its end) and of the same request
+through serve/engine.py's Engine with --max-batch 1 (decode tok/s from its result; wall tok/s
+from submit to delivery), best of `--reps`, with the rounds, tokens a round and plain steps of
+the last direct run. Ratios are to baseline's of the same path. Every mode's ids and text equal
+baseline's on both paths (checked).
 """
 
 from __future__ import annotations
