@@ -50,9 +50,10 @@ def main() -> int:
         if mode == "auto":
             kw["max_draft"] = "auto"
         g = start(target, tok, None, prompt_ids=ids, max_new_tokens=args.tokens, **kw).generation
+        text = []
         while not g.done:
-            g.step()
-        return g.res.decode_s, g.res
+            text.append(g.step().text)
+        return g.res.decode_s, g.res, "".join(text)
 
     def served(mode, ids):
         wall, _, jobs = _run(engines[mode], [ids], args.tokens)
@@ -74,18 +75,19 @@ def main() -> int:
     ratios: dict = {(m, p): [] for m in modes for p in ("direct", "engine", "wall")}
     for i, ids in enumerate(prompts):
         ref = {}
-        base_ids = base_text = None
+        base_ids = base_texts = None
         for mode in modes:
             d_best = e_best = w_best = 0.0
             for _ in range(args.reps):
-                s, res = direct(mode, ids)
+                s, res, text = direct(mode, ids)
                 d_best = max(d_best, len(res.tokens) / s)
                 wall, eres = served(mode, ids)
                 e_best = max(e_best, eres.decode_tps)
                 w_best = max(w_best, len(eres.tokens) / wall)
             if mode == "baseline":
-                base_ids, base_text, ref = list(res.tokens), eres.text, {"d": d_best, "e": e_best, "w": w_best}
-            if list(res.tokens) != base_ids or list(eres.tokens) != base_ids or eres.text != base_text:
+                base_ids, base_texts = list(res.tokens), (text, eres.text)
+                ref = {"d": d_best, "e": e_best, "w": w_best}
+            if list(res.tokens) != base_ids or list(eres.tokens) != base_ids or (text, eres.text) != base_texts:
                 raise SystemExit(f"{mode} on prompt {i + 1}: not baseline's ids and text")
             rounds = [a for a, k in zip(res.accept_lengths, res.drafted) if k > 0]  # the direct run's
             plain = sum(1 for k in res.drafted if k == 0)
