@@ -37,13 +37,17 @@
 #                                                       # a code change A/B: diag_auto_steps.py on the tree and on a copy
 #                                                       # of python/ with AB_SED undoing it, AB_PROCS (2) processes a side
 #                                                       # in turn ($OUT/steps-ab-{after,before}-N.txt)
+#   AB_PATCH=ab.patch bash bench/h200_invariance.sh batch-ab   # a code change A/B on the batched step: profile_batch_step.py
+#                                                       # on the tree and on a copy of python/ with the patch reversed,
+#                                                       # AB_PROCS (2) processes a side in turn ($OUT/batch-ab.md)
 #   AB_SET=ALPHA=0.1 bash bench/h200_invariance.sh auto-ab   # a policy constant live: diag_auto_ahead.py with and
 #                                                       # without `--set $AB_SET`, AB_PROCS (2) processes a side in
 #                                                       # turn, AB_REPS (4) each ($OUT/auto-ab-{base,set}-N.txt)
 #   bash bench/h200_invariance.sh replay                # hybrid rollback: replay vs re-run (bench_hybrid_replay.py)
 #   bash bench/h200_invariance.sh batch                 # batching B=1,2,4,8 + follow-up TTFT, <= 240 s ($OUT/batch-h200.md)
 #   bash bench/h200_invariance.sh batch-profile         # a batched plain step's time at B = BP_ROWS (1,4,8): its
-#                                                       # Python by function, MLX's evaluation ($OUT/batch-profile.md)
+#                                                       # Python by function, MLX's evaluation ($OUT/batch-profile.md);
+#                                                       # BP_MODE=dspark: batched DSpark rounds instead
 #   bash bench/h200_invariance.sh mlx-env               # MLX's CUDA knobs (CUDA graphs, ops per graph, graph cache) against
 #                                                       # a batched step: profile_batch_step.py a process per MLX_ENV entry
 #   bash bench/h200_invariance.sh engine-modes          # baseline / dspark / auto on bench_batch's prompts, direct and
@@ -233,6 +237,19 @@ for step in "$@"; do
         echo "$side $i:"; tail -3 "$OUT/steps-ab-$side-$i.txt"
       done
     done; el ;;
+  batch-ab)  # AB_PATCH (a patch of python/, e.g. `git diff A B -- python`) reversed in a copy ("before") against the
+    # tree ("after"): profile_batch_step.py at B = BP_ROWS, processes alternating, AB_PROCS (2) a side ($OUT/batch-ab.md)
+    : "${AB_PATCH:?batch-ab needs AB_PATCH (a patch of python/; its reverse is the before side)}"
+    rm -rf /tmp/ab-before && cp -r python /tmp/ab-before && patch -s -R -p2 -d /tmp/ab-before < "$AB_PATCH" || exit 1
+    for i in $(seq "${AB_PROCS:-2}"); do
+      for side in after before; do
+        src=$PWD/python; [ "$side" = before ] && src=/tmp/ab-before
+        echo "### $side $i" | tee -a "$OUT/batch-ab.md"
+        PYTHONPATH=/tmp/site:$src timeout "${AB_LIMIT:-90}" python3 bench/profile_batch_step.py --model "$MLX_DSPARK_DEMO_GGUF" \
+          --dtype bfloat16 --rows "${BP_ROWS:-1,4,8}" --mode "${BP_MODE:-baseline}" --top 0 2>&1 \
+          | grep -e '^### B' -e '^profiled' | tee -a "$OUT/batch-ab.md"
+      done
+    done; el ;;
   auto-ab)  # AB_SET (e.g. ALPHA=0.1): a simulator's candidate against the policy as it is, processes alternating
     : "${AB_SET:?auto-ab needs AB_SET=NAME=VALUE (a constant of decode/policy.py)}"
     for i in $(seq "${AB_PROCS:-2}"); do
@@ -252,7 +269,7 @@ for step in "$@"; do
       --prompts "$C/eval" --out "$OUT/batch-h200.md" 2>&1 | tail -8; el ;;
   batch-profile)  # a batched plain step's time by row count, Python against MLX's evaluation (profile_batch_step.py)
     timeout "${BP_LIMIT:-150}" python3 bench/profile_batch_step.py --model "$MLX_DSPARK_DEMO_GGUF" --dtype bfloat16 \
-      --rows "${BP_ROWS:-1,4,8}" --out "$OUT/batch-profile.md" 2>&1 | grep -v -e Warn -e clean_up | tail -70; el ;;
+      --rows "${BP_ROWS:-1,4,8}" --mode "${BP_MODE:-baseline}" --out "$OUT/batch-profile.md" 2>&1 | grep -v -e Warn -e clean_up | tail -70; el ;;
   mlx-env)  # MLX's CUDA knobs against a batched step: profile_batch_step.py once per MLX_ENV entry (space-separated,
     # `default` = none; commas join several NAME=VALUE), each in its own process ($OUT/mlx-env.md)
     for v in ${MLX_ENV:-default MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=100 MLX_CUDA_GRAPH_CACHE_SIZE=1000}; do

@@ -1,7 +1,7 @@
 """Where a batched plain step's time goes, per row count: the host's Python against MLX's evaluation.
 
   python bench/profile_batch_step.py [--model GGUF] [--dtype bfloat16] [--rows 1,4,8] [--steps 48] [--top 18]
-                                      [--out F.md]
+                                      [--mode baseline|dspark] [--out F.md]
 
 Issue 18's bar (B = 4 batched baseline >= 2.5x serial on the H200) asks a step of 4 rows to cost
 at most 1.6 steps of one. For each row count B: B generations of the same chat prompts in
@@ -12,6 +12,9 @@ went) and the own time of the steps' finishes (loop.py's _finish_*), which holds
 of the step: its C++ launches of every kernel and the wait for the device (MLX's calls are
 nanobind functions, invisible to cProfile; it cannot split the two). Output and ids are never
 compared here (bench_batch.py does): this only times.
+
+`--mode dspark` steps DSpark generations instead (the demo drafter's full block every round):
+each step is a batched round, and ms a token counts the tokens the rows committed.
 """
 
 from __future__ import annotations
@@ -36,39 +39,42 @@ PROMPTS = (
 )
 
 
-def _gen(target, tok, i: int, tokens: int):
-    """A prefilled baseline generation of prompt i (its prefill run here, untimed)."""
+def _gen(target, tok, i: int, tokens: int, mode: str, drafter):
+    """A prefilled generation of prompt i in `mode` (its prefill run here, untimed)."""
     import mlx_dspark as md
     from mlx_dspark.api import start
 
     ids = md.encode_prompt(tok, PROMPTS[i % len(PROMPTS)])
-    g = start(target, tok, None, prompt_ids=ids, max_new_tokens=tokens, mode="baseline").generation
+    g = start(target, tok, None, prompt_ids=ids, max_new_tokens=tokens, mode=mode, drafter=drafter).generation
     g.step()
     return g
 
 
-def _run(target, tok, rows: int, steps: int, warm: int, profile: cProfile.Profile | None) -> float:
-    """Seconds of `steps` timed step_rows calls over `rows` rows; a row whose answer ends is
-    replaced by a fresh prefilled one between steps, untimed (and unprofiled)."""
+def _run(target, tok, rows: int, steps: int, warm: int, profile, mode="baseline", drafter=None) -> tuple[float, int]:
+    """Seconds of `steps` timed step_rows calls over `rows` rows, and the tokens they committed;
+    a row whose answer ends is replaced by a fresh prefilled one between steps, untimed (and
+    unprofiled)."""
     from mlx_dspark.decode import batch
 
     n = 0
-    gens = [_gen(target, tok, (n := n + 1), 256) for _ in range(rows)]
-    total = 0.0
+    gens = [_gen(target, tok, (n := n + 1), 256, mode, drafter) for _ in range(rows)]
+    total, tokens = 0.0, 0
     for k in range(warm + steps):
         for j, g in enumerate(gens):
             if g.done:
-                gens[j] = _gen(target, tok, (n := n + 1), 256)
+                gens[j] = _gen(target, tok, (n := n + 1), 256, mode, drafter)
         timed = k >= warm
         if timed and profile is not None:
             profile.enable()
         t0 = time.perf_counter()
-        batch.step_rows(gens)
+        commits = batch.step_rows(gens)
         dt = time.perf_counter() - t0
         if timed and profile is not None:
             profile.disable()
-        total += dt if timed else 0.0
-    return total
+        if timed:
+            total += dt
+            tokens += sum(len(c.tokens) for c in commits)
+    return total, tokens
 
 
 def _top(profile: cProfile.Profile, steps: int, n: int) -> tuple[list[str], float]:
@@ -99,6 +105,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--warm", type=int, default=8)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--mode", default="baseline", choices=("baseline", "dspark"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -106,23 +113,30 @@ def main() -> int:
     from mlx_dspark.benchmark import device_stamp
 
     model, target, tok = bm.load_bench_target(args.model, args.dtype)
+    drafter = None
+    if args.mode == "dspark":
+        from mlx_dspark.api import drafter_for
+
+        drafter = drafter_for(target, "dspark")
     out = [
         f"## profile_batch_step: {model} ({args.dtype or 'default dtype'}); {device_stamp()}",
         f"decode path {target.invariance}; compiled rows: {getattr(target, 'compiled_decode', None) is not None}; "
-        f"{args.steps} timed steps after {args.warm}, baseline mode",
+        f"{args.steps} timed steps after {args.warm}, {args.mode} mode",
         "",
     ]
     solo = None
     for rows in [int(x) for x in args.rows.split(",")]:
-        plain = min(_run(target, tok, rows, args.steps, args.warm, None) for _ in range(2))
+        runs = [_run(target, tok, rows, args.steps, args.warm, None, args.mode, drafter) for _ in range(2)]
+        plain, tokens = min(runs)
         prof = cProfile.Profile()
-        profiled = _run(target, tok, rows, args.steps, args.warm, prof)
-        ms = plain / args.steps * 1e3
-        solo = solo if solo is not None else (ms if rows == 1 else None)
+        profiled, _ = _run(target, tok, rows, args.steps, args.warm, prof, args.mode, drafter)
+        ms, ms_token = plain / args.steps * 1e3, plain / max(tokens, 1) * 1e3
+        solo = solo if solo is not None else ((ms, ms_token) if rows == 1 else None)
         top, wait = _top(prof, args.steps, args.top)
-        vs = f"; {ms / solo:.2f}x the B = 1 step ({rows * solo / ms:.2f}x its throughput)" if solo else ""
+        vs = f"; {ms / solo[0]:.2f}x the B = 1 step ({solo[1] / ms_token:.2f}x its throughput)" if solo else ""
         out += [
-            f"### B = {rows}: {ms:.2f} ms a step, {ms / rows:.2f} ms a token (best of 2){vs}",
+            f"### B = {rows}: {ms:.2f} ms a step, {ms_token:.2f} ms a token, {tokens / args.steps:.2f} tokens a step "
+            f"(best of 2){vs}",
             f"profiled: {profiled / args.steps * 1e3:.2f} ms a step; the finishes' own time (MLX's evaluation: "
             f"its kernel launches and the wait for the device): {wait / 1e3:.2f} ms a step",
             "",

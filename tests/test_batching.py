@@ -170,6 +170,23 @@ def test_self_check_fails_when_rows_are_not_computed_alike(monkeypatch):
     assert batch.check(t2, 2, 4) is not None
 
 
+def test_a_batched_forward_that_cannot_run_here_is_a_refusal_not_a_crash(monkeypatch):
+    """A backend where the batched forward raises (a trace it cannot carry, a kernel it lacks):
+    the load's check refuses batching with the reason; requests take the serial path."""
+    t, _, _ = _pair()
+
+    def broken(target, rows):
+        raise RuntimeError("no such kernel here")
+
+    monkeypatch.setattr(batch, "forward_rows", broken)
+    t2 = type("T", (), {})()
+    t2.__dict__.update(t.__dict__)
+    t2.__class__ = type(t)
+    t2._batch_checked = {}
+    why = batch.check(t2, 2, 4)
+    assert why is not None and "no such kernel here" in why and "failed" in why
+
+
 def test_a_single_row_runs_the_serial_forward():
     t, _, _ = _pair()
     calls = []

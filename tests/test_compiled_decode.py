@@ -376,3 +376,51 @@ def test_the_first_generation_of_a_process_pays_its_round_widths_before_the_deco
     monkeypatch.setenv("MLX_DSPARK_COMPILE", "off")
     plain_target, _ = md.load_target(path, dtype="float32")
     assert plain_target.compiled_decode is None and warmup.round_widths(plain_target, 16) == []
+
+
+def test_batched_rows_keep_one_kv_buffer_per_layer_and_finished_rows_leave_it(monkeypatch):
+    """The rows of a batched compiled step share one KV buffer per layer (RowStack), kept from
+    step to step while the same rows step together: each row's cache holds views of its row. A row
+    joining gathers the rows again; a row that finishes gets buffers of its own at once, equal to
+    what it held; when no row is left the stack goes. Output equals solo runs throughout."""
+    from drafter_fixtures import workspace
+
+    from mlx_dspark.decode import batch
+
+    target, tok = load(str(workspace()["target_qwen3"]), "float32", "on", monkeypatch)
+    compiled = target.compiled_decode
+    vocab = target.vocab_size
+    prompts = [[(5 * i + 13 * r + 1) % vocab for i in range(11 + 9 * r)] for r in range(3)]
+    budgets = [6, 20, 20]
+    solo = [md.generate(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
+    runs = [start(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
+    for r in runs[:2]:
+        r.generation.step()  # prefill
+    batch.step_rows([r.generation for r in runs[:2]])
+    first = compiled._stack
+    assert first is not None and first.holds([r.generation.cache for r in runs[:2]])
+    batch.step_rows([r.generation for r in runs[:2]])
+    assert compiled._stack is first  # the same rows: the same stack, reused
+    for b, r in enumerate(runs[:2]):
+        for i, c in enumerate(r.generation.cache):
+            assert c.keys is first._views[b][0][i] and c.keys.shape[0] == 1
+    runs[2].generation.step()
+    seen, left = [], 0
+    while any(not r.generation.done for r in runs):
+        live = [r.generation for r in runs if not r.generation.done]
+        batch.step_rows(live)
+        stack = compiled._stack
+        seen.append(stack)
+        for g in live:
+            if g.done and stack is not None:  # finished this step, others go on: KV of its own, equal
+                views = stack._views[stack.caches.index(g.cache)]
+                for i, c in enumerate(g.cache):
+                    assert c.keys is not views[0][i] and c.values is not views[1][i]
+                    assert mx.array_equal(c.keys, views[0][i]).item() and mx.array_equal(c.values, views[1][i]).item()
+                left += 1
+    assert left >= 1  # a row left while others went on
+    assert seen[0] is not first  # the third row joined: gathered again
+    assert compiled._stack is None  # every row finished: the stack went
+    for r, s in zip(runs, solo):
+        got = r.result()
+        assert (got.tokens, got.text) == (s.tokens, s.text)

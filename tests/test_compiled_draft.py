@@ -49,6 +49,34 @@ def test_the_compiled_pass_drafts_what_the_op_by_op_pass_drafts(dkey, with_conf,
     assert state[0].keys.shape[2] % compiled_decode.CAPACITY_STEP == 0
 
 
+@pytest.mark.parametrize("dkey", ["dspark_qwen3", "dflash_zlab", "dflash_deepspec"])
+@pytest.mark.parametrize("vocab", ["full", "subset"])
+def test_every_rows_chain_at_once_drafts_what_each_row_drafts_alone(dkey, vocab, monkeypatch):
+    """greedy_rows (the chain of B rows as ops over all rows, the batched compiled pass) drafts
+    each row's tokens as sample() does for the row alone, with confidences to rounding, over the
+    full vocabulary and a draft vocabulary; the native chain is off so both run MLX's ops."""
+    from mlx_dspark.models.compiled_draft import _greedy
+
+    _, _, d = pair("target_qwen3", dkey, monkeypatch)
+    if vocab == "subset":
+        d.restrict_vocab(range(0, d.spec.vocab_size, 3))
+    if hasattr(d, "_native_chain"):
+        monkeypatch.setattr(d, "_native_chain", lambda U, prev: None)
+    B, k, H = 3, d.block_drafts, d.spec.backbone.hidden_size
+    hidden = mx.random.normal((B, k, H), key=mx.random.key(11)) * 4
+    anchors = mx.array([5, 77, 301], dtype=mx.int32)
+    toks, conf = d.greedy_rows(hidden, anchors, with_conf=True)
+    assert toks.shape == (B, k) and toks.dtype == mx.int32
+    for b in range(B):
+        want, _, want_conf = d.sample(hidden[b], anchors[b], _greedy, True)
+        assert toks[b].tolist() == mx.stack(want).tolist()
+        assert (conf is None) == (want_conf is None)
+        if conf is not None:
+            assert mx.allclose(conf[b], want_conf, atol=1e-4).item()
+    if vocab == "subset":
+        assert set(toks.reshape(-1).tolist()) <= set(d.vocab_ids.tolist())
+
+
 @pytest.mark.parametrize(
     "tkey,dkey",
     [("target_perm", "perm_dspark"), ("target_perm", "perm_dspark_noisy"), ("target_qwen3", "dflash_zlab")],

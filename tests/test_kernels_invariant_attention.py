@@ -91,24 +91,35 @@ def _parse_tools():
     return tmc.parse, tmc.METAL_STUB, tmc.CUDA_STUB + extra
 
 
-@pytest.mark.parametrize("offset", [False, True], ids=["end-aligned", "offset"])
+FORMS = ["", "shared", "rows"]
+FORM_IDS = ["end-aligned", "offset", "row-offsets"]
+
+
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
-def test_metal_instance_parses(dt, offset):
+def test_metal_instance_parses(dt, form):
     parse, metal_stub, _ = _parse_tools()
-    ins = [(dt, 4, 10**4), (dt, 4, 10**5), (dt, 4, 10**5), ("float32", 1, 1)] + [("int32", 1, 1)] * offset
-    src = kt.metal_kernel_text(inv.metal_instance(offset), ins, [dt], [("T", dt)])
+    n_off = 4 if form == "rows" else 1
+    ins = [(dt, 4, 10**4), (dt, 4, 10**5), (dt, 4, 10**5), ("float32", 1, 1)] + [("int32", 1, n_off)] * bool(form)
+    src = kt.metal_kernel_text(inv.metal_instance(form), ins, [dt], [("T", dt)])
     assert "q_strides" in src and "constant float* scale" in src
-    assert ("constant int* off" in src) == offset
-    assert parse(src, metal_stub, f"ia_metal_{dt}_{offset}") == []
+    assert ("constant int* off" in src) == bool(form)
+    assert ("off[b]" in src) == (form == "rows")
+    assert parse(src, metal_stub, f"ia_metal_{dt}_{form}") == []
 
 
-@pytest.mark.parametrize("offset", [False, True], ids=["end-aligned", "offset"])
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 @pytest.mark.parametrize("dt", ["float32", "float16", "bfloat16"])
-def test_cuda_instance_parses(dt, offset):
+def test_cuda_instance_parses(dt, form):
     parse, _, cuda_stub = _parse_tools()
-    ins = [(dt, 4), (dt, 4), (dt, 4), ("float32", 1)] + [("int32", 1)] * offset
-    src = kt.cuda_kernel_text(inv.cuda_instance(offset), ins, [dt], [("T", dt)])
-    assert parse(src, cuda_stub, f"ia_cuda_{dt}_{offset}") == []
+    ins = [(dt, 4), (dt, 4), (dt, 4), ("float32", 1)] + [("int32", 1)] * bool(form)
+    src = kt.cuda_kernel_text(inv.cuda_instance(form), ins, [dt], [("T", dt)])
+    assert parse(src, cuda_stub, f"ia_cuda_{dt}_{form}") == []
+
+
+def test_an_unknown_offset_form_is_refused():
+    with pytest.raises(ValueError, match="offset form"):
+        inv.cuda_instance("per-row")
 
 
 def _buffer_with_stale_tail(k, v, extra, i):
@@ -133,6 +144,55 @@ def test_offset_form_reads_only_the_rows_keys(shape, dtype):
     want = inv.invariant_attention_reference(q, k, v, 0.125)
     got = inv.invariant_attention_reference(q, kb, vb, 0.125, off)
     assert mx.array_equal(got, want).item()
+
+
+def _rows_case(dtype, i, B=4, H=6, Hkv=2, Lq=5, D=64, cap=300):
+    """B rows' queries and one shared [B, Hkv, cap, D] buffer, each row at its own position (one
+    near the buffer's end, one at 0) with a stale tail past it."""
+    ks = mx.random.split(mx.random.key(SEED * 11 + i), 3)
+    q = mx.random.normal((B, H, Lq, D), key=ks[0]).astype(dtype)
+    kb = (mx.random.normal((B, Hkv, cap, D), key=ks[1]) * 3).astype(dtype)
+    vb = (mx.random.normal((B, Hkv, cap, D), key=ks[2]) * 3).astype(dtype)
+    offs = [cap - Lq, 0] + [int(x) for x in mx.random.randint(1, cap - Lq, (B - 2,), key=ks[0]).tolist()]
+    return q, kb, vb, offs
+
+
+def _each_row(attention, q, kb, vb, offs):
+    """Row b alone through the shared-position form over its own slice of the buffer."""
+    rows = [attention(q[b : b + 1], kb[b : b + 1], vb[b : b + 1], mx.array(o, dtype=mx.int32)) for b, o in enumerate(offs)]
+    return mx.concatenate(rows, axis=0)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_row_offsets_compute_each_row_as_its_own_offset_form(dtype):
+    """The "rows" form (a position per batch row, one buffer for all rows) equals each row's own
+    shared-position call bitwise, whatever the other rows' positions (the reference)."""
+    for i in range(3):
+        q, kb, vb, offs = _rows_case(dtype, i)
+        ref = lambda q_, k_, v_, off: inv.invariant_attention_reference(q_, k_, v_, 0.125, off)
+        got = inv.invariant_attention_reference(q, kb, vb, 0.125, mx.array(offs, dtype=mx.int32))
+        assert mx.array_equal(got, _each_row(ref, q, kb, vb, offs)).item(), offs
+
+
+def test_row_offsets_must_name_every_row():
+    q, kb, vb, _ = _rows_case(mx.float32, 0)
+    with pytest.raises(ValueError, match="row positions"):
+        inv.invariant_attention_gpu(q, kb, vb, 0.125, offset=mx.array([1, 2], dtype=mx.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["f32", "bf16", "f16"])
+def test_cuda_row_offsets_equal_each_rows_own_launch(dtype):
+    try:
+        mx.set_default_device(mx.gpu)
+        for i in range(3):
+            q, kb, vb, offs = _rows_case(dtype, i)
+            gpu = lambda q_, k_, v_, off: inv.invariant_attention_gpu(q_, k_, v_, 0.125, offset=off)
+            got = inv.invariant_attention_gpu(q, kb, vb, 0.125, offset=mx.array(offs, dtype=mx.int32))
+            assert mx.array_equal(got, _each_row(gpu, q, kb, vb, offs)).item(), offs
+    finally:
+        mx.set_default_device(mx.cpu)
 
 
 @pytest.mark.gpu

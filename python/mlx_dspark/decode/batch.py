@@ -26,8 +26,10 @@ Why a row computes exactly what it computes alone:
     does not batch (`refusal`).
 
 Where the target's decode steps are compiled graphs (models/compiled_decode.py: the GPU) and every
-row's cache is one of their buffers, the rows run as one such graph instead (`CompiledDecode.rows`),
-and drafter rows as one compiled pass; the check then measures that graph.
+row's cache is one of their buffers, the rows run as one such graph instead (`CompiledDecode.rows`:
+the rows' KV in one buffer per layer, one attention launch for all rows), and drafter rows as one
+compiled pass; the check then measures that graph. A row that finishes, or a batch down to one
+row, leaves that shared buffer with KV of its own.
 """
 
 from __future__ import annotations
@@ -257,6 +259,7 @@ def step_rows(gens: Sequence[Generation], gate: DraftGate | None = None) -> list
     grows by the step's wall time. `gate` (several rows, every one under an adaptive policy):
     whether the rows may draft this step, and what the step measured goes back to it."""
     if len(gens) == 1 and gens[0].prefilled and not gens[0].done:
+        _leave_rows(gens[0].target)
         return [gens[0].step()]  # a lone generation steps exactly as it does alone
     t0 = time.perf_counter()
     if gate is not None and not all(_adaptive(g) for g in gens):
@@ -281,6 +284,9 @@ def step_rows(gens: Sequence[Generation], gate: DraftGate | None = None) -> list
         outs = forward_rows(gens[feeds[0][0]].target, [(gens[i].cache, f) for i, f in feeds])
         for (i, f), out in zip(feeds, outs):
             commits[i] = f.finish(out)
+    finished = [g.cache for g in gens if g.done]
+    if finished:
+        _leave_rows(gens[0].target, finished)
     dt = time.perf_counter() - t0
     for g in gens:
         g.res.decode_s += dt
@@ -288,6 +294,14 @@ def step_rows(gens: Sequence[Generation], gate: DraftGate | None = None) -> list
         gate.steps[drafts] += 1
         gate.record(sum(len(c.tokens) for c in commits), dt)
     return commits
+
+
+def _leave_rows(target: Target, caches: list | None = None) -> None:
+    """These rows' caches (default: every row's) leave the compiled graph's row stack with KV
+    buffers of their own (models/compiled_decode.py RowStack)."""
+    compiled = getattr(target, "compiled_decode", None)
+    if compiled is not None:
+        compiled.release_rows(caches)
 
 
 def _propose(gens: Sequence[Generation], asks: list[tuple[int, int]]) -> list:
@@ -331,11 +345,17 @@ def check(target: Target, max_batch: int = 4, max_width: int = 8) -> str | None:
     if key in done:
         return done[key]
     why = static_refusal(target)
-    if why is None and not _rows_match(target, max(min(max_batch, 8), 2), max(max_width, 1)):
-        why = (
-            f"a batched forward does not compute each row as the request alone would on {mx.default_device()} "
-            "(measured at load)"
-        )
+    if why is None:
+        try:
+            same = _rows_match(target, max(min(max_batch, 8), 2), max(max_width, 1))
+        except (RuntimeError, ValueError, TypeError) as e:  # the batched forward cannot run here at all
+            why = f"a batched forward failed on {mx.default_device()} at load ({type(e).__name__}: {e})"
+        else:
+            if not same:
+                why = (
+                    f"a batched forward does not compute each row as the request alone would on "
+                    f"{mx.default_device()} (measured at load)"
+                )
     done[key] = why
     target._batch_checked = done
     return why

@@ -61,7 +61,8 @@ def invariant_attention_reference(
 ) -> mx.array:
     """q [B, H, Lq, D], k / v [B, Hkv, Lk, D] -> [B, H, Lq, D] in q's dtype; causal, aligned at the
     end (query i at position Lk - Lq + i), or, with `offset` (an int32 scalar array), at position
-    offset + i of a buffer whose keys past that are never read (a compiled decode step's KV buffer).
+    offset + i of a buffer whose keys past that are never read (a compiled decode step's KV buffer);
+    an `offset` of shape [B] gives each batch row its own position (the rows of a batched step).
     Keys are padded to whole chunks, so every chunk has the same shape; a chunk past a row's causal
     length leaves that row's state bit-for-bit unchanged."""
     B, H, Lq, D = q.shape
@@ -70,7 +71,10 @@ def invariant_attention_reference(
     f32 = mx.float32
     qf = q.astype(f32).reshape(B, Hkv, rep, Lq, 1, D)
     first = (Lk - Lq) if offset is None else offset.astype(mx.int32)
-    n = (mx.arange(Lq) + first + 1).reshape(1, 1, 1, Lq, 1)  # causal length of each row
+    lead = 1
+    if offset is not None and offset.ndim == 1:
+        first, lead = first.reshape(B, 1), B
+    n = (mx.arange(Lq) + first + 1).reshape(lead, 1, 1, Lq, 1)  # causal length of each row
     nch = -(-Lk // CHUNK)
     pad = nch * CHUNK - Lk
     kf, vf = k.astype(f32), v.astype(f32)
@@ -168,10 +172,10 @@ _CALL = """  const int H = q_shape[1];
   const int Lq = q_shape[2];
   const int D = q_shape[3];
   const int Hkv = k_shape[1];
-  const int first = FIRST;  // the position of query row 0
   const int qi = (int)c.bx;
   const int b = (int)c.by / H;
   const int h = (int)c.by - b * H;
+  const int first = FIRST;  // the position of query row 0 (of batch row b)
   const int kvh = h / (H / Hkv);
   ds_ia_row<T>(c, q, b * q_strides[0] + h * q_strides[1] + qi * q_strides[2], q_strides[3],
                k, b * k_strides[0] + kvh * k_strides[1], k_strides[2], k_strides[3],
@@ -179,35 +183,37 @@ _CALL = """  const int H = q_shape[1];
                D, first + qi + 1, scale[0], out, (((ds_i64)b * H + h) * Lq + qi) * D, sq, sp, red);
 """
 INPUTS, OUTPUTS = ("q", "k", "v", "scale"), ("out",)
-# The offset form (a compiled decode step, models/compiled_decode.py): k / v are a KV buffer of any
-# capacity and query row 0 sits at position off[0]; keys past a row's position are never read.
+# The offset forms (compiled decode steps, models/compiled_decode.py): k / v are a KV buffer of any
+# capacity whose keys past a row's position are never read. "shared": query row 0 of every batch
+# row sits at position off[0] (a generation's step); "rows": batch row b's at off[b] (the rows of
+# a batched step, one buffer [B, Hkv, capacity, D] per layer: one launch for all rows).
 OFFSET_INPUTS = INPUTS + ("off",)
+OFFSET_FORMS = {"": "k_shape[2] - Lq", "shared": "off[0]", "rows": "off[b]"}
+_NAMES = {"": "ds_invariant_attention", "shared": "ds_invariant_attention_off", "rows": "ds_invariant_attention_rowoff"}
 
 
 BODY_FILES = ("ds_portable.h", "invariant_attention.h")
 
 
-def _instance(launch: str, with_offset: bool) -> Instance:
-    if with_offset:
-        return instance(
-            "ds_invariant_attention_off", OFFSET_INPUTS, OUTPUTS, launch + _CALL.replace("FIRST", "off[0]"), BODY_FILES
-        )
-    return instance(
-        "ds_invariant_attention", INPUTS, OUTPUTS, launch + _CALL.replace("FIRST", "k_shape[2] - Lq"), BODY_FILES
-    )
+def _instance(launch: str, form: str) -> Instance:
+    if form not in OFFSET_FORMS:
+        raise ValueError(f"offset form {form!r}: one of {sorted(OFFSET_FORMS)}")
+    inputs = OFFSET_INPUTS if form else INPUTS
+    return instance(_NAMES[form], inputs, OUTPUTS, launch + _CALL.replace("FIRST", OFFSET_FORMS[form]), BODY_FILES)
 
 
-def cuda_instance(with_offset: bool = False) -> Instance:
-    return _instance(_CUDA_LAUNCH, with_offset)
+def cuda_instance(form: str = "") -> Instance:
+    """The CUDA instance of offset form `form` ("" end-aligned, "shared", "rows")."""
+    return _instance(_CUDA_LAUNCH, form)
 
 
-def metal_instance(with_offset: bool = False) -> Instance:
-    return _instance(_METAL_LAUNCH, with_offset)
+def metal_instance(form: str = "") -> Instance:
+    return _instance(_METAL_LAUNCH, form)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(lang: str, with_offset: bool = False):
-    inst = cuda_instance(with_offset) if lang == "cuda" else metal_instance(with_offset)
+def _kernel(lang: str, form: str = ""):
+    inst = cuda_instance(form) if lang == "cuda" else metal_instance(form)
     return make_kernel(lang, inst, ensure_row_contiguous=False)
 
 
@@ -221,8 +227,15 @@ def invariant_attention_gpu(
     s = _scales.get(scale)
     if s is None:
         s = _scales[scale] = mx.array([scale], dtype=mx.float32)
-    inputs = [q, k, v, s] if offset is None else [q, k, v, s, offset.astype(mx.int32).reshape(1)]
-    (out,) = _kernel(lang, offset is not None)(
+    if offset is None:
+        form, inputs = "", [q, k, v, s]
+    elif offset.ndim == 1:  # a position per batch row
+        if offset.shape[0] != B:
+            raise ValueError(f"{offset.shape[0]} row positions for {B} batch rows")
+        form, inputs = "rows", [q, k, v, s, offset.astype(mx.int32)]
+    else:
+        form, inputs = "shared", [q, k, v, s, offset.astype(mx.int32).reshape(1)]
+    (out,) = _kernel(lang, form)(
         inputs=inputs,
         template=[("T", q.dtype)],
         grid=(Lq * CHUNK, B * H, 1),

@@ -20,8 +20,9 @@ deterministic. A pass that fails to trace or run on this backend falls back, wit
 op-by-op pass for that drafter from then on. Greedy drafting only (a plain argmax per slot);
 sampled drafts take the op-by-op path. Where it runs: where the target's decode forward is compiled
 (compiled_decode.wanted()). One pass serves one generation or several (`rows`: the batch engine's
-rows share it): the projections over every row's block, each row's attention over its own buffer;
-a generation drafting alone is its one-row case.
+rows share it): the projections over every row's block and every row's chain at once
+(greedy_rows), each row's attention over its own buffer; a generation drafting alone is its one-row
+case, its chain the op-by-op pass's own.
 
 A process's first EAGER_PASSES solo passes of a drafter run op by op (`earned`), then the pass
 is traced: a fresh process's first compiled pass cost ~0.16 s on an H100, inside the decode
@@ -98,11 +99,11 @@ class CompiledDraft:
                 ids = mx.concatenate([anchors.reshape(B, 1), mx.broadcast_to(rest, (B, S - 1))], axis=1)
                 emb = d.embed(ids.reshape(-1)).reshape(B, S, -1)
                 h = d.model.run_block_rows(emb, [None] * B, caches)[:, d.spec.logits_start :]
-                outs = []
-                for b in range(B):
-                    toks, _, conf = d.sample(h[b], anchors[b], _greedy, with_conf)
-                    outs += [mx.stack(toks)] + ([conf] if conf is not None else [])
-                return outs
+                if B == 1:  # a generation alone: the chain of its op-by-op pass, traced
+                    toks, _, conf = d.sample(h[0], anchors[0], _greedy, with_conf)
+                    return [mx.stack(toks)[None]] + ([conf[None]] if conf is not None else [])
+                toks, conf = d.greedy_rows(h, anchors, with_conf)  # every row's chain at once
+                return [toks] + ([conf] if conf is not None else [])
 
             fn = self._row_fns[with_conf] = mx.compile(run)
         return fn
@@ -160,8 +161,8 @@ class CompiledDraft:
         outs = self._pass(bool(with_conf))(anchors, offsets, keys, values)
         if self.traces != traced:
             mx.eval(outs)
-        per = len(outs) // anchors.shape[0]
-        return [(outs[b * per], outs[b * per + 1] if per > 1 else None) for b in range(anchors.shape[0])]
+        conf = outs[1] if len(outs) > 1 else None
+        return [(outs[0][b], None if conf is None else conf[b]) for b in range(anchors.shape[0])]
 
     def _fail(self, e: Exception) -> None:
         self.failed = f"{type(e).__name__}: {e}"

@@ -145,6 +145,14 @@ class BlockDrafter:
             qs.append(q)
         return toks, qs, None
 
+    def greedy_rows(self, hidden: mx.array, anchors: mx.array, with_conf: bool = False):
+        """The greedy drafts of B rows at once (a compiled drafter pass of several generations):
+        hidden [B, k, H] final-normed slot states, anchors [B] int32 -> (tokens [B, k] int32,
+        confidences [B, k] or None). Row b drafts what sample() drafts for it alone, with every op
+        over all rows (one launch, not one a row); drafts need no exactness, only determinism."""
+        t = mx.argmax(self.logits(hidden), axis=-1).astype(mx.int32)
+        return (t if self.vocab_ids is None else self.vocab_ids[t]), None
+
     def describe(self) -> dict:
         b = self.spec.backbone
         return {

@@ -144,6 +144,29 @@ class DSparkDrafter(BlockDrafter):
             feats = mx.concatenate([hidden, self.markov.markov_w1(prevs).astype(hidden.dtype)], axis=-1)
         return self.conf_head.proj(feats)[:, 0]
 
+    def greedy_rows(self, hidden: mx.array, anchors: mx.array, with_conf: bool = False):
+        B, k, H = hidden.shape
+        conf = None
+        if self.markov is None:
+            toks, _ = super().greedy_rows(hidden, anchors)
+            if self.conf_head is not None and with_conf:
+                conf = self.confidence_logits(hidden.reshape(B * k, H), None).reshape(B, k)
+            return toks, conf
+        U = self.logits(hidden)  # [B, k, V'] over every row's slots at once
+        prev = anchors.astype(mx.int32)
+        toks, prevs = [], []
+        for j in range(k):  # the chain: slot j of every row after slot j - 1 of every row
+            w1 = self.markov.markov_w1(prev)
+            bias = self.markov.markov_w2(w1) if self.vocab_ids is None else self._w2(w1)
+            t = mx.argmax(U[:, j] + bias.astype(U.dtype), axis=-1).astype(mx.int32)
+            t = t if self.vocab_ids is None else self.vocab_ids[t]
+            prevs.append(prev)
+            toks.append(t)
+            prev = t
+        if self.conf_head is not None and with_conf:
+            conf = self.confidence_logits(hidden.reshape(B * k, H), mx.stack(prevs, axis=1).reshape(-1)).reshape(B, k)
+        return mx.stack(toks, axis=1), conf
+
     def sample(self, hidden: mx.array, anchor: int, choose: Chooser, with_conf: bool = False):
         if self.markov is None:
             toks, qs, _ = super().sample(hidden, anchor, choose)
