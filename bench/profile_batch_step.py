@@ -14,7 +14,9 @@ nanobind functions, invisible to cProfile; it cannot split the two). Output and 
 compared here (bench_batch.py does): this only times.
 
 `--mode dspark` steps DSpark generations instead (the demo drafter's full block every round):
-each step is a batched round, and ms a token counts the tokens the rows committed.
+each step is a batched round, and ms a token counts the tokens the rows committed. `--mode auto`
+steps auto generations (--max-draft auto) under a batch draft gate, as `serve` does; the gate's
+choices are printed.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ def _gen(target, tok, i: int, tokens: int, mode: str, drafter):
     from mlx_dspark.api import start
 
     ids = md.encode_prompt(tok, PROMPTS[i % len(PROMPTS)])
-    g = start(target, tok, None, prompt_ids=ids, max_new_tokens=tokens, mode=mode, drafter=drafter).generation
+    extra = {"max_draft": "auto"} if mode == "auto" else {}
+    g = start(target, tok, None, prompt_ids=ids, max_new_tokens=tokens, mode=mode, drafter=drafter, **extra).generation
     g.step()
     return g
 
 
-def _run(target, tok, rows: int, steps: int, warm: int, profile, mode="baseline", drafter=None) -> tuple[float, int]:
+def _run(target, tok, rows: int, steps: int, warm: int, profile, mode="baseline", drafter=None, gate=None):
     """Seconds of `steps` timed step_rows calls over `rows` rows, and the tokens they committed;
     a row whose answer ends is replaced by a fresh prefilled one between steps, untimed (and
     unprofiled)."""
@@ -59,6 +62,8 @@ def _run(target, tok, rows: int, steps: int, warm: int, profile, mode="baseline"
     n = 0
     gens = [_gen(target, tok, (n := n + 1), 256, mode, drafter) for _ in range(rows)]
     total, tokens = 0.0, 0
+    kinds: dict[str, list] = {}  # auto's timed steps by the gate's choice: [seconds, tokens, steps]
+    last = None
     for k in range(warm + steps):
         for j, g in enumerate(gens):
             if g.done:
@@ -66,14 +71,25 @@ def _run(target, tok, rows: int, steps: int, warm: int, profile, mode="baseline"
         timed = k >= warm
         if timed and profile is not None:
             profile.enable()
+        before = dict(gate.steps) if gate is not None else None
         t0 = time.perf_counter()
-        commits = batch.step_rows(gens)
+        commits = batch.step_rows(gens, gate)
         dt = time.perf_counter() - t0
         if timed and profile is not None:
             profile.disable()
+        got = sum(len(c.tokens) for c in commits)
         if timed:
             total += dt
-            tokens += sum(len(c.tokens) for c in commits)
+            tokens += got
+        if gate is not None:
+            drafts = gate.steps[True] != before[True]
+            kind = ("drafts" if drafts else "plain") + (" (first after a switch)" if last not in (None, drafts) else "")
+            last = drafts
+            if timed:
+                acc = kinds.setdefault(kind, [0.0, 0, 0])
+                acc[0], acc[1], acc[2] = acc[0] + dt, acc[1] + got, acc[2] + 1
+    if gate is not None:
+        gate.by_kind = kinds
     return total, tokens
 
 
@@ -105,19 +121,20 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--warm", type=int, default=8)
     ap.add_argument("--top", type=int, default=18)
-    ap.add_argument("--mode", default="baseline", choices=("baseline", "dspark"))
+    ap.add_argument("--mode", default="baseline", choices=("baseline", "dspark", "auto"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     from mlx_dspark import benchmark as bm
     from mlx_dspark.benchmark import device_stamp
+    from mlx_dspark.decode import batch
 
     model, target, tok = bm.load_bench_target(args.model, args.dtype)
     drafter = None
-    if args.mode == "dspark":
+    if args.mode != "baseline":
         from mlx_dspark.api import drafter_for
 
-        drafter = drafter_for(target, "dspark")
+        drafter = drafter_for(target, args.mode)
     out = [
         f"## profile_batch_step: {model} ({args.dtype or 'default dtype'}); {device_stamp()}",
         f"decode path {target.invariance}; compiled rows: {getattr(target, 'compiled_decode', None) is not None}; "
@@ -126,26 +143,37 @@ def main() -> int:
     ]
     solo = None
     for rows in [int(x) for x in args.rows.split(",")]:
-        runs = [_run(target, tok, rows, args.steps, args.warm, None, args.mode, drafter) for _ in range(2)]
+        gates = [batch.DraftGate() if args.mode == "auto" else None for _ in range(3)]
+        runs = [_run(target, tok, rows, args.steps, args.warm, None, args.mode, drafter, gates[i]) for i in range(2)]
         plain, tokens = min(runs)
         prof = cProfile.Profile()
-        profiled, _ = _run(target, tok, rows, args.steps, args.warm, prof, args.mode, drafter)
+        profiled, _ = _run(target, tok, rows, args.steps, args.warm, prof, args.mode, drafter, gates[2])
         ms, ms_token = plain / args.steps * 1e3, plain / max(tokens, 1) * 1e3
         solo = solo if solo is not None else ((ms, ms_token) if rows == 1 else None)
         top, wait = _top(prof, args.steps, args.top)
         vs = f"; {ms / solo[0]:.2f}x the B = 1 step ({solo[1] / ms_token:.2f}x its throughput)" if solo else ""
+        section = len(out)
         out += [
             f"### B = {rows}: {ms:.2f} ms a step, {ms_token:.2f} ms a token, {tokens / args.steps:.2f} tokens a step "
             f"(best of 2){vs}",
             f"profiled: {profiled / args.steps * 1e3:.2f} ms a step; the finishes' own time (MLX's evaluation: "
             f"its kernel launches and the wait for the device): {wait / 1e3:.2f} ms a step",
+            *(
+                [f"draft gate (steps with drafts allowed / plain), per run: {[tuple(g.steps.values()) for g in gates]}"]
+                + [
+                    f"  {kind}: {n} steps, {sec / n * 1e3:.2f} ms a step, {sec / max(tok, 1) * 1e3:.2f} ms a token"
+                    for kind, (sec, tok, n) in sorted(gates[0].by_kind.items())
+                ]
+                if args.mode == "auto"
+                else []
+            ),
             "",
             "| function | own µs/step | cumulative µs/step | calls/step |",
             "|---|---:|---:|---:|",
             *top,
             "",
         ]
-        print("\n".join(out[-(len(top) + 6) :]), flush=True)
+        print("\n".join(out[section:]), flush=True)
     if args.out:
         with open(args.out, "a") as f:
             f.write("\n".join(out) + "\n")

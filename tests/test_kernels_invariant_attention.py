@@ -159,7 +159,9 @@ def _rows_case(dtype, i, B=4, H=6, Hkv=2, Lq=5, D=64, cap=300):
 
 def _each_row(attention, q, kb, vb, offs):
     """Row b alone through the shared-position form over its own slice of the buffer."""
-    rows = [attention(q[b : b + 1], kb[b : b + 1], vb[b : b + 1], mx.array(o, dtype=mx.int32)) for b, o in enumerate(offs)]
+    rows = [
+        attention(q[b : b + 1], kb[b : b + 1], vb[b : b + 1], mx.array(o, dtype=mx.int32)) for b, o in enumerate(offs)
+    ]
     return mx.concatenate(rows, axis=0)
 
 
