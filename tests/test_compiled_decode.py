@@ -382,7 +382,8 @@ def test_batched_rows_keep_one_kv_buffer_per_layer_and_finished_rows_leave_it(mo
     """The rows of a batched compiled step share one KV buffer per layer (RowStack), kept from
     step to step while the same rows step together: each row's cache holds views of its row. A row
     joining gathers the rows again; a row that finishes gets buffers of its own at once, equal to
-    what it held; when no row is left the stack goes. Output equals solo runs throughout."""
+    what it held; a batch down to one row, or with no row left, drops the stack. Output equals
+    solo runs throughout."""
     from drafter_fixtures import workspace
 
     from mlx_dspark.decode import batch
@@ -404,6 +405,11 @@ def test_batched_rows_keep_one_kv_buffer_per_layer_and_finished_rows_leave_it(mo
     for b, r in enumerate(runs[:2]):
         for i, c in enumerate(r.generation.cache):
             assert c.keys is first._views[b][0][i] and c.keys.shape[0] == 1
+    lone = runs[0].generation
+    views = first._views[0]
+    batch.step_rows([lone])  # a batch down to one row: it steps alone, with KV of its own
+    assert compiled._stack is None
+    assert all(c.keys is not k for c, k in zip(lone.cache, views[0]))
     runs[2].generation.step()
     seen, left = [], 0
     while any(not r.generation.done for r in runs):

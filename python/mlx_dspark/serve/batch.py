@@ -174,10 +174,8 @@ class BatchScheduler:
         rows = list(self.rows)
         try:
             if len(rows) == 1:
-                self.gate.reset(1)
-                rows[0].run.generation.step()  # a lone row steps exactly as the serial path does
-            else:
-                _step_rows()([r.run.generation for r in rows], self.gate)
+                self.gate.reset(1)  # a lone row steps exactly as the serial path does (step_rows' lone case)
+            _step_rows()([r.run.generation for r in rows], self.gate)
         except Exception as e:  # every row shared the forward: none of them is trusted
             for r in rows:
                 self.rows.remove(r)
