@@ -303,6 +303,7 @@ def test_batched_rows_run_one_compiled_graph_and_equal_solo_runs(mode, monkeypat
     compiled = target.compiled_decode
     assert compiled is not None
     assert batch.check(target, 4, 17) is None  # the load's measurement: batched rows equal solo steps
+    assert compiled._stack is None  # and it keeps no KV of its own rows
     fixture = {"dspark": "dspark_qwen3", "dflash": "dflash_zlab"}.get(mode)
     drafter = load_drafter(str(ws[fixture]), target, bits=16) if fixture else None
     vocab = target.vocab_size
