@@ -303,7 +303,7 @@ def test_batched_rows_run_one_compiled_graph_and_equal_solo_runs(mode, monkeypat
     compiled = target.compiled_decode
     assert compiled is not None
     assert batch.check(target, 4, 17) is None  # the load's measurement: batched rows equal solo steps
-    assert compiled._stack is None  # and it keeps no KV of its own rows
+    assert compiled.batched._stack is None  # and it keeps no KV of its own rows
     fixture = {"dspark": "dspark_qwen3", "dflash": "dflash_zlab"}.get(mode)
     drafter = load_drafter(str(ws[fixture]), target, bits=16) if fixture else None
     vocab = target.vocab_size
@@ -399,24 +399,24 @@ def test_batched_rows_keep_one_kv_buffer_per_layer_and_finished_rows_leave_it(mo
     for r in runs[:2]:
         r.generation.step()  # prefill
     batch.step_rows([r.generation for r in runs[:2]])
-    first = compiled._stack
+    first = compiled.batched._stack
     assert first is not None and first.holds([r.generation.cache for r in runs[:2]])
     batch.step_rows([r.generation for r in runs[:2]])
-    assert compiled._stack is first  # the same rows: the same stack, reused
+    assert compiled.batched._stack is first  # the same rows: the same stack, reused
     for b, r in enumerate(runs[:2]):
         for i, c in enumerate(r.generation.cache):
             assert c.keys is first._views[b][0][i] and c.keys.shape[0] == 1
     lone = runs[0].generation
     views = first._views[0]
     batch.step_rows([lone])  # a batch down to one row: it steps alone, with KV of its own
-    assert compiled._stack is None
+    assert compiled.batched._stack is None
     assert all(c.keys is not k for c, k in zip(lone.cache, views[0]))
     runs[2].generation.step()
     seen, left = [], 0
     while any(not r.generation.done for r in runs):
         live = [r.generation for r in runs if not r.generation.done]
         batch.step_rows(live)
-        stack = compiled._stack
+        stack = compiled.batched._stack
         seen.append(stack)
         for g in live:
             if g.done and stack is not None:  # finished this step, others go on: KV of its own, equal
@@ -427,7 +427,62 @@ def test_batched_rows_keep_one_kv_buffer_per_layer_and_finished_rows_leave_it(mo
                 left += 1
     assert left >= 1  # a row left while others went on
     assert seen[0] is not first  # the third row joined: gathered again
-    assert compiled._stack is None  # every row finished: the stack went
+    assert compiled.batched._stack is None  # every row finished: the stack went
     for r, s in zip(runs, solo):
         got = r.result()
         assert (got.tokens, got.text) == (s.tokens, s.text)
+
+
+def test_rows_far_apart_in_length_keep_buffers_of_their_own():
+    """Stacking pads every row to the longest row's blocks: allowed while that adds at most a
+    quarter of the rows' own need (or a block a row); one long conversation among short ones is
+    stepped with each row's own buffer instead."""
+    from mlx_dspark.models.compiled_rows import stack_fits
+
+    assert stack_fits([3000, 1200, 500, 2000])  # 4 blocks of padding over 8: one block a row
+    assert stack_fits([100, 900, 50])
+    assert not stack_fits([30000, 500, 500, 500])  # 29 blocks of padding a short row
+    assert not stack_fits([9000, 100])
+
+
+def test_rows_apart_equal_solo_runs(monkeypatch):
+    """The apart layout (each row's own buffer, attended row by row) computes every row as its
+    solo run, in ids and text, with rows joining mid-flight."""
+    from drafter_fixtures import workspace
+
+    from mlx_dspark.decode import batch
+    from mlx_dspark.models import compiled_rows
+
+    target, tok = load(str(workspace()["target_qwen3"]), "float32", "on", monkeypatch)
+    monkeypatch.setattr(compiled_rows, "stack_fits", lambda needs: False)
+    vocab = target.vocab_size
+    prompts = [[(3 * i + 17 * r + 2) % vocab for i in range(7 + 11 * r)] for r in range(3)]
+    budgets = [14, 9, 12]
+    solo = [md.generate(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
+    runs = [start(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
+    for r in runs[:2]:
+        r.generation.step()
+    batch.step_rows([r.generation for r in runs[:2]])
+    runs[2].generation.step()
+    while any(not r.generation.done for r in runs):
+        batch.step_rows([r.generation for r in runs if not r.generation.done])
+    layouts = target.compiled_decode.batched.layouts
+    assert layouts["apart"] >= 2 and layouts["stacked"] == 0
+    for r, s in zip(runs, solo):
+        got = r.result()
+        assert (got.tokens, got.text) == (s.tokens, s.text)
+
+
+def test_the_load_check_measures_both_layouts_of_the_rows(monkeypatch):
+    """batch.check runs the rows stacked and apart (compiled_rows.py), each against solo steps."""
+    from drafter_fixtures import workspace
+
+    from mlx_dspark.decode import batch
+
+    target, _ = load(str(workspace()["target_qwen3"]), "float32", "on", monkeypatch)
+    layouts = target.compiled_decode.batched.layouts
+    target._batch_checked = {}
+    before = dict(layouts)
+    assert batch.check(target, 3, 5) is None
+    assert layouts["stacked"] > before["stacked"] and layouts["apart"] > before["apart"]
+    assert target.compiled_decode.batched.force is None

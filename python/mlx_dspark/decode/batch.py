@@ -347,7 +347,9 @@ def check(target: Target, max_batch: int = 4, max_width: int = 8) -> str | None:
     why = static_refusal(target)
     if why is None:
         try:
-            same = _rows_match(target, max(min(max_batch, 8), 2), max(max_width, 1))
+            same = all(
+                _rows_match(target, max(min(max_batch, 8), 2), max(max_width, 1), layout) for layout in _layouts(target)
+            )
         except (RuntimeError, ValueError, TypeError) as e:  # the batched forward cannot run here at all
             why = f"a batched forward failed on {mx.default_device()} at load ({type(e).__name__}: {e})"
         else:
@@ -361,7 +363,25 @@ def check(target: Target, max_batch: int = 4, max_width: int = 8) -> str | None:
     return why
 
 
-def _rows_match(target: Target, B: int, max_width: int) -> bool:
+def _layouts(target: Target) -> list:
+    """The KV layouts a batched step of this target may run (models/compiled_rows.py): the check
+    measures each."""
+    compiled = getattr(target, "compiled_decode", None)
+    return ["stacked", "apart"] if compiled is not None and target.invariant_kernels else [None]
+
+
+def _rows_match(target: Target, B: int, max_width: int, layout: str | None = None) -> bool:
+    compiled = getattr(target, "compiled_decode", None)
+    if layout is not None:
+        compiled.batched.force = layout
+    try:
+        return _rows_match_in(target, B, max_width)
+    finally:
+        if layout is not None:
+            compiled.batched.force = None
+
+
+def _rows_match_in(target: Target, B: int, max_width: int) -> bool:
     vocab = max(target.vocab_size, 2)
     taps = tuple(sorted({0, target.num_layers - 1}))
     lens = [23 + 7 * b for b in range(B)]

@@ -22,9 +22,7 @@ keeps the op-by-op kernel path for good. A forward over a cache the graphs do no
 step on an empty cache) runs op by op, the same in every mode.
 
 The batch engine's rows (`rows`, decode/batch.py) run as one graph per (row count, width bucket,
-KV blocks, taps): the projections over every row's tokens at once, each row's cache written at its
-own position and attended through the same offset form as its solo step. So a row computes what
-its solo step computes (the batch engine measures that at load: decode/batch.py `check`).
+KV blocks, taps): models/compiled_rows.py.
 
 MLX_DSPARK_COMPILE=auto (default: on where the linear layers run the GPU kernels) | on | off.
 MLX_DSPARK_BUCKETS=1,8,17,33 (for measurements): the traced widths instead of BUCKETS.
@@ -144,104 +142,6 @@ class _BufferKV:
         return None if N == 1 else "causal"
 
 
-class _StackedRowsKV:
-    """One layer's caches of B rows inside a batched trace: one buffer [B, Hkv, capacity, D] for
-    all rows (`RowStack`), each row's new keys written at its own position by one scatter, and
-    attention through the "rows" offset form (a position per row): a layer launches the same
-    kernels whatever the row count. RoPE reads the rows' positions as one [B] array."""
-
-    def __init__(self, offsets: mx.array, where: mx.array, keys: mx.array, values: mx.array):
-        self.offset = offsets  # [B] int32
-        self._where = where  # [B, 1, W, 1] int32: the positions row b writes this step
-        self.keys, self.values = keys, values
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        from ..kernels import invariant
-
-        self.keys = mx.put_along_axis(self.keys, self._where, keys.astype(self.keys.dtype), axis=2)
-        self.values = mx.put_along_axis(self.values, self._where, values.astype(self.values.dtype), axis=2)
-        invariant.expect_offset(self.offset)
-        return self.keys, self.values
-
-    make_mask = _BufferKV.make_mask
-
-
-class RowStack:
-    """The KV of the rows of a batched step, one buffer per layer ([B, Hkv, capacity, D]), kept
-    from step to step while the same caches step together in the same order.
-
-    Each row's own cache (a generation's mlx-lm KVCache layers) holds views of its row of these
-    buffers, so everything else (trims, snapshots, a solo step, the prefix cache) reads and
-    writes them as before. A step reuses the buffers only when every row's cache still holds
-    exactly the views the last step handed it; otherwise (a row joined, left, or its cache was
-    replaced) the rows are gathered again, and rows that left get buffers of their own."""
-
-    def __init__(self, caches: list, capacity: int):
-        self.caches = list(caches)
-        n_layers = len(caches[0])
-        for cache in caches:
-            for c in cache:
-                pad_to_blocks(c, capacity)
-        self.keys = [mx.concatenate([cache[i].keys for cache in caches], axis=0) for i in range(n_layers)]
-        self.values = [mx.concatenate([cache[i].values for cache in caches], axis=0) for i in range(n_layers)]
-        self._views: list = []
-
-    @property
-    def capacity(self) -> int:
-        return int(self.keys[0].shape[2])
-
-    def holds(self, caches: list) -> bool:
-        """These caches, in this order, still hold this stack's views (nothing replaced them)."""
-        if len(caches) != len(self.caches) or not self._views:
-            return False
-        for cache, mine, (kv, vv) in zip(caches, self.caches, self._views):
-            if cache is not mine:
-                return False
-            for c, k, v in zip(cache, kv, vv):
-                if c.keys is not k or c.values is not v:
-                    return False
-        return True
-
-    def grow(self, need: int) -> None:
-        """Room for `need` positions in every row (whole CAPACITY_STEP blocks)."""
-        cap = self.capacity
-        if need <= cap:
-            return
-        grow = -(-need // CAPACITY_STEP) * CAPACITY_STEP - cap
-
-        def more(a):
-            return mx.concatenate([a, mx.zeros((a.shape[0], a.shape[1], grow, a.shape[3]), a.dtype)], axis=2)
-
-        self.keys, self.values = [more(a) for a in self.keys], [more(a) for a in self.values]
-
-    def hand_out(self, keys: list, values: list, offsets: list, widths: list) -> None:
-        """The step's new buffers: each row's cache gets views of its row and its new offset."""
-        self.keys, self.values = keys, values
-        B = len(self.caches)
-        ks = [mx.split(k, B, axis=0) for k in keys]
-        vs = [mx.split(v, B, axis=0) for v in values]
-        self._views = []
-        for b, (cache, off, w) in enumerate(zip(self.caches, offsets, widths)):
-            kv, vv = [k[b] for k in ks], [v[b] for v in vs]
-            for c, k, v in zip(cache, kv, vv):
-                c.keys, c.values, c.offset = k, v, off + w
-            self._views.append((kv, vv))
-
-    def detach(self, caches: list) -> None:
-        """These rows' caches, where they still hold this stack's views, get buffers of their own
-        (so a finished row, or the prefix cache keeping it, does not keep every row's KV alive).
-        A step over a detached row gathers the rows again (`holds` sees the cache changed)."""
-        gone = {id(c) for c in caches}
-        for cache, (kv, vv) in zip(self.caches, self._views):
-            if id(cache) not in gone:
-                continue
-            for c, k, v in zip(cache, kv, vv):
-                if c.keys is k:
-                    c.keys = k * 1  # a copy of its own (bitwise: x * 1 == x), not a view
-                if c.values is v:
-                    c.values = v * 1
-
-
 def _traced_forward(target, tokens: mx.array, layers: list, taps: tuple) -> list:
     """Inside a trace: the target's forward over buffer caches, through the invariant ops; every
     layer that wrote its buffer must have had its attention read it ([logits] or [logits, hidden])."""
@@ -263,8 +163,9 @@ class CompiledDecode:
     def __init__(self, target):
         self._target = target
         self._fns: dict = {}  # taps -> mx.compile'd step
-        self._row_fns: dict = {}  # taps -> mx.compile'd step of several rows (decode/batch.py)
-        self._stack: RowStack | None = None  # the rows' KV of the last batched step
+        from .compiled_rows import CompiledRows
+
+        self.batched = CompiledRows(target, self)  # the batch engine's rows (decode/batch.py)
         self.traces = 0  # how many times a step was traced (tests, benchmarks)
 
     def _step(self, taps: tuple):
@@ -300,67 +201,13 @@ class CompiledDecode:
             outs = [o[:, :w] for o in outs]
         return outs[0], (outs[1] if len(outs) > 1 else None)
 
-    def _rows_step(self, taps: tuple):
-        fn = self._row_fns.get(taps)
-        if fn is None:
-            target = self._target
-
-            def step(tokens, offsets, keys, values):
-                self.traces += 1
-                W = tokens.shape[1]
-                where = (offsets[:, None] + mx.arange(W, dtype=mx.int32)).reshape(-1, 1, W, 1)
-                layers = [_StackedRowsKV(offsets, where, k, v) for k, v in zip(keys, values)]
-                outs = _traced_forward(target, tokens, layers, taps)
-                return outs, [c.keys for c in layers], [c.values for c in layers]
-
-            fn = self._row_fns[taps] = mx.compile(step)
-        return fn
-
     def rows(self, feeds: list, taps) -> list:
-        """One decode forward of several generations' tokens, (cache, tokens [1, w]) each, every
-        cache `cache_fits`: the rows run as one traced graph (per row count, width bucket, KV
-        blocks and taps) over one KV buffer per layer (`RowStack`), each row through the same ops,
-        at its own position, as its solo step (decode/batch.py checks the rows against solo steps
-        at load). Returns each row's (logits [1, w, V], hidden [1, w, T] or None)."""
-        widths = [int(t.shape[1]) for _, t in feeds]
-        W = bucket(max(widths))
-        caches = [cache for cache, _ in feeds]
-        offs = [int(cache[0].offset) for cache in caches]
-        need = max(offs) + W
-        stack = self._stack
-        if stack is not None and stack.holds(caches):
-            stack.grow(need)
-        else:
-            if stack is not None:  # rows that left the batch: their KV of their own
-                kept = {id(c) for c in caches}
-                stack.detach([c for c in stack.caches if id(c) not in kept])
-            cap = max([need] + [int(c.keys.shape[2]) for cache in caches for c in cache])
-            stack = self._stack = RowStack(caches, -(-cap // CAPACITY_STEP) * CAPACITY_STEP)
-        toks = []
-        for (_, t), w in zip(feeds, widths):
-            t = t.reshape(1, -1).astype(mx.int32)
-            toks.append(t if W == w else mx.concatenate([t, mx.repeat(t[:, -1:], W - w, axis=1)], axis=1))
-        outs, new_k, new_v = self._rows_step(tuple(taps))(
-            mx.concatenate(toks, axis=0), mx.array(offs, dtype=mx.int32), stack.keys, stack.values
-        )
-        stack.hand_out(new_k, new_v, offs, widths)
-        got = []
-        for b, w in enumerate(widths):
-            logits = outs[0][b : b + 1, :w]
-            got.append((logits, outs[1][b : b + 1, :w] if len(outs) > 1 else None))
-        return got
+        """One decode forward of several generations' tokens (models/compiled_rows.py)."""
+        return self.batched.rows(feeds, taps)
 
     def release_rows(self, caches: list | None = None) -> None:
-        """These rows (default: all) leave batched steps: where they hold the row stack's views
-        they get buffers of their own. The stack goes when no row is left in it."""
-        stack = self._stack
-        if stack is None:
-            return
-        gone = stack.caches if caches is None else caches
-        stack.detach(gone)
-        left = {id(c) for c in stack.caches} - {id(c) for c in gone}
-        if not left:
-            self._stack = None
+        """These rows (default: all) leave batched steps (models/compiled_rows.py)."""
+        self.batched.release(caches)
 
 
 def attach(target) -> None:
