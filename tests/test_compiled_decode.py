@@ -379,6 +379,18 @@ def test_the_first_generation_of_a_process_pays_its_round_widths_before_the_deco
     assert plain_target.compiled_decode is None and warmup.round_widths(plain_target, 16) == []
 
 
+def _three_rows(target, tok, spec):
+    """Three generations (prompt r: ids (a * i + b * r + c) % vocab, n0 + dn * r of them; the
+    budgets given), their solo runs, and the first two prefilled."""
+    (a, b, c, n0, dn), budgets = spec
+    prompts = [[(a * i + b * r + c) % target.vocab_size for i in range(n0 + dn * r)] for r in range(3)]
+    solo = [md.generate(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
+    runs = [start(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
+    for r in runs[:2]:
+        r.generation.step()  # prefill
+    return solo, runs
+
+
 def test_batched_rows_keep_one_kv_buffer_per_layer_and_finished_rows_leave_it(monkeypatch):
     """The rows of a batched compiled step share one KV buffer per layer (RowStack), kept from
     step to step while the same rows step together: each row's cache holds views of its row. A row
@@ -391,13 +403,7 @@ def test_batched_rows_keep_one_kv_buffer_per_layer_and_finished_rows_leave_it(mo
 
     target, tok = load(str(workspace()["target_qwen3"]), "float32", "on", monkeypatch)
     compiled = target.compiled_decode
-    vocab = target.vocab_size
-    prompts = [[(5 * i + 13 * r + 1) % vocab for i in range(11 + 9 * r)] for r in range(3)]
-    budgets = [6, 20, 20]
-    solo = [md.generate(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
-    runs = [start(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
-    for r in runs[:2]:
-        r.generation.step()  # prefill
+    solo, runs = _three_rows(target, tok, [(5, 13, 1, 11, 9), (6, 20, 20)])
     batch.step_rows([r.generation for r in runs[:2]])
     first = compiled.batched._stack
     assert first is not None and first.holds([r.generation.cache for r in runs[:2]])
@@ -455,13 +461,7 @@ def test_rows_apart_equal_solo_runs(monkeypatch):
 
     target, tok = load(str(workspace()["target_qwen3"]), "float32", "on", monkeypatch)
     monkeypatch.setattr(compiled_rows, "stack_fits", lambda needs: False)
-    vocab = target.vocab_size
-    prompts = [[(3 * i + 17 * r + 2) % vocab for i in range(7 + 11 * r)] for r in range(3)]
-    budgets = [14, 9, 12]
-    solo = [md.generate(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
-    runs = [start(target, tok, None, prompt_ids=p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
-    for r in runs[:2]:
-        r.generation.step()
+    solo, runs = _three_rows(target, tok, [(3, 17, 2, 7, 11), (14, 9, 12)])
     batch.step_rows([r.generation for r in runs[:2]])
     runs[2].generation.step()
     while any(not r.generation.done for r in runs):
