@@ -26,10 +26,11 @@ Why a row computes exactly what it computes alone:
     does not batch (`refusal`).
 
 Where the target's decode steps are compiled graphs (models/compiled_decode.py: the GPU) and every
-row's cache is one of their buffers, the rows run as one such graph instead (`CompiledDecode.rows`:
-the rows' KV in one buffer per layer, one attention launch for all rows), and drafter rows as one
-compiled pass; the check then measures that graph. A row that finishes, or a batch down to one
-row, leaves that shared buffer with KV of its own.
+row's cache is one of their buffers, the rows run as one such graph instead (`CompiledDecode.rows`,
+models/compiled_rows.py: the rows' KV in one buffer per layer and one attention launch for all rows,
+or each row's own buffer where their lengths are far apart), and drafter rows as one compiled pass;
+the check then measures that graph in both layouts. A row that finishes, or a batch down to one
+row, leaves the shared buffer with KV of its own.
 """
 
 from __future__ import annotations
@@ -298,7 +299,7 @@ def step_rows(gens: Sequence[Generation], gate: DraftGate | None = None) -> list
 
 def _leave_rows(target: Target, caches: list | None = None) -> None:
     """These rows' caches (default: every row's) leave the compiled graph's row stack with KV
-    buffers of their own (models/compiled_decode.py RowStack)."""
+    buffers of their own (models/compiled_rows.py RowStack)."""
     compiled = getattr(target, "compiled_decode", None)
     if compiled is not None:
         compiled.release_rows(caches)
