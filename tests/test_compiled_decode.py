@@ -17,6 +17,7 @@ import pytest
 import mlx_dspark as md
 from mlx_dspark.api import start
 from mlx_dspark.models import compiled_decode, invariance
+from mlx_dspark.models.compiled_rows import rows_of
 
 SEED = int(os.environ.get("MLX_DSPARK_TEST_SEED", random.randrange(2**31)))
 
@@ -314,8 +315,9 @@ def test_batched_rows_run_one_compiled_graph_and_equal_solo_runs(mode, monkeypat
         for p, n in zip(prompts, budgets)
     ]
     calls, draft_calls = [], []
-    real = compiled.rows
-    monkeypatch.setattr(compiled, "rows", lambda feeds, taps: calls.append(len(feeds)) or real(feeds, taps))
+    batched = rows_of(compiled)
+    real = batched.rows
+    monkeypatch.setattr(batched, "rows", lambda feeds, taps: calls.append(len(feeds)) or real(feeds, taps))
     if drafter is not None:
         from mlx_dspark.models import compiled_draft
 
@@ -466,7 +468,7 @@ def test_rows_apart_equal_solo_runs(monkeypatch):
     runs[2].generation.step()
     while any(not r.generation.done for r in runs):
         batch.step_rows([r.generation for r in runs if not r.generation.done])
-    layouts = target.compiled_decode.batched.layouts
+    layouts = rows_of(target.compiled_decode).layouts
     assert layouts["apart"] >= 2 and layouts["stacked"] == 0
     for r, s in zip(runs, solo):
         got = r.result()
@@ -480,9 +482,9 @@ def test_the_load_check_measures_both_layouts_of_the_rows(monkeypatch):
     from mlx_dspark.decode import batch
 
     target, _ = load(str(workspace()["target_qwen3"]), "float32", "on", monkeypatch)
-    layouts = target.compiled_decode.batched.layouts
+    layouts = rows_of(target.compiled_decode).layouts
     target._batch_checked = {}
     before = dict(layouts)
     assert batch.check(target, 3, 5) is None
     assert layouts["stacked"] > before["stacked"] and layouts["apart"] > before["apart"]
-    assert target.compiled_decode.batched.force is None
+    assert rows_of(target.compiled_decode).force is None

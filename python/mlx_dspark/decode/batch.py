@@ -26,11 +26,11 @@ Why a row computes exactly what it computes alone:
     does not batch (`refusal`).
 
 Where the target's decode steps are compiled graphs (models/compiled_decode.py: the GPU) and every
-row's cache is one of their buffers, the rows run as one such graph instead (`CompiledDecode.rows`,
-models/compiled_rows.py: the rows' KV in one buffer per layer and one attention launch for all rows,
-or each row's own buffer where their lengths are far apart), and drafter rows as one compiled pass;
-the check then measures that graph in both layouts. A row that finishes, or a batch down to one
-row, leaves the shared buffer with KV of its own.
+row's cache is one of their buffers, the rows run as one such graph instead (models/compiled_rows.py:
+the rows' KV in one buffer per layer and one attention launch for all rows, or each row's own
+buffer where their lengths are far apart), and drafter rows as one compiled pass; the check then
+measures that graph in both layouts. A row that finishes, or a batch down to one row, leaves the
+shared buffer with KV of its own.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def forward_rows(target: Target, rows: Sequence[tuple[list, Feed]]) -> list[Forw
     compiled = getattr(target, "compiled_decode", None)
     if compiled is not None and target.invariant_kernels:
         from ..models.compiled_decode import cache_fits
+        from ..models.compiled_rows import rows_of
 
         feeds = [(c, f.tokens.reshape(1, -1)) for c, f in rows]
         if all(cache_fits(c, t) for c, t in feeds):
@@ -146,7 +147,7 @@ def forward_rows(target: Target, rows: Sequence[tuple[list, Feed]]) -> list[Forw
             H = target.hidden_size
             return [
                 ForwardOut(logits, _row_hidden(hidden, 0, f.width, taps, tuple(f.taps), H))
-                for (logits, hidden), (_, f) in zip(compiled.rows(feeds, taps), rows)
+                for (logits, hidden), (_, f) in zip(rows_of(compiled).rows(feeds, taps), rows)
             ]
     from ..compat import route_row_attention
 
@@ -301,8 +302,8 @@ def _leave_rows(target: Target, caches: list | None = None) -> None:
     """These rows' caches (default: every row's) leave the compiled graph's row stack with KV
     buffers of their own (models/compiled_rows.py RowStack)."""
     compiled = getattr(target, "compiled_decode", None)
-    if compiled is not None:
-        compiled.release_rows(caches)
+    if compiled is not None and compiled.batched is not None:
+        compiled.batched.release(caches)
 
 
 def _propose(gens: Sequence[Generation], asks: list[tuple[int, int]]) -> list:
@@ -372,14 +373,16 @@ def _layouts(target: Target) -> list:
 
 
 def _rows_match(target: Target, B: int, max_width: int, layout: str | None = None) -> bool:
-    compiled = getattr(target, "compiled_decode", None)
-    if layout is not None:
-        compiled.batched.force = layout
+    if layout is None:
+        return _rows_match_in(target, B, max_width)
+    from ..models.compiled_rows import rows_of
+
+    batched = rows_of(target.compiled_decode)
+    batched.force = layout
     try:
         return _rows_match_in(target, B, max_width)
     finally:
-        if layout is not None:
-            compiled.batched.force = None
+        batched.force = None
 
 
 def _rows_match_in(target: Target, B: int, max_width: int) -> bool:

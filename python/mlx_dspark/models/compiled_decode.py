@@ -163,9 +163,7 @@ class CompiledDecode:
     def __init__(self, target):
         self._target = target
         self._fns: dict = {}  # taps -> mx.compile'd step
-        from .compiled_rows import CompiledRows
-
-        self.batched = CompiledRows(target, self)  # the batch engine's rows (decode/batch.py)
+        self.batched = None  # models/compiled_rows.py's CompiledRows, made at the first batched step
         self.traces = 0  # how many times a step was traced (tests, benchmarks)
 
     def _step(self, taps: tuple):
@@ -200,14 +198,6 @@ class CompiledDecode:
         if W > w:
             outs = [o[:, :w] for o in outs]
         return outs[0], (outs[1] if len(outs) > 1 else None)
-
-    def rows(self, feeds: list, taps) -> list:
-        """One decode forward of several generations' tokens (models/compiled_rows.py)."""
-        return self.batched.rows(feeds, taps)
-
-    def release_rows(self, caches: list | None = None) -> None:
-        """These rows (default: all) leave batched steps (models/compiled_rows.py)."""
-        self.batched.release(caches)
 
 
 def attach(target) -> None:

@@ -187,8 +187,15 @@ class _RowsBufferKV:
 
 
 # ------------------------------------------------------------------------------------- driver
+def rows_of(compiled) -> CompiledRows:
+    """The batched steps of a target's CompiledDecode (made at the first batched step)."""
+    if compiled.batched is None:
+        compiled.batched = CompiledRows(compiled._target, compiled)
+    return compiled.batched
+
+
 class CompiledRows:
-    """The batched steps of one target's compiled decode (CompiledDecode.batched)."""
+    """The batched steps of one target's compiled decode (CompiledDecode.batched, `rows_of`)."""
 
     def __init__(self, target, owner):
         self._target, self._owner = target, owner  # owner: the CompiledDecode (its trace count)
