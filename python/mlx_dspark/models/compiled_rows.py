@@ -199,7 +199,7 @@ class CompiledRows:
 
     def __init__(self, target, owner):
         self._target, self._owner = target, owner  # owner: the CompiledDecode (its trace count)
-        self._fns: dict = {}  # (layout, taps) -> mx.compile'd step of several rows
+        self._fns: dict = {}  # (stacked, taps) -> mx.compile'd step of several rows
         self._stack: RowStack | None = None  # the rows' KV of the last stacked step
         self.layouts = {"stacked": 0, "apart": 0}  # steps run by layout (tests, benchmarks)
         self.force: str | None = None  # "stacked" / "apart": every step in that layout (the load's check)
