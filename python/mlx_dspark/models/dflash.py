@@ -150,8 +150,9 @@ class BlockDrafter:
         hidden [B, k, H] final-normed slot states, anchors [B] int32 -> (tokens [B, k] int32,
         confidences [B, k] or None). Row b drafts what sample() drafts for it alone, with every op
         over all rows (one launch, not one a row); drafts need no exactness, only determinism."""
-        t = mx.argmax(self.logits(hidden), axis=-1).astype(mx.int32)
-        return (t if self.vocab_ids is None else self.vocab_ids[t]), None
+        from .draft_vocab import greedy_choice
+
+        return self.choose_in_vocab(self.logits(hidden), greedy_choice, [])[0], None
 
     def describe(self) -> dict:
         b = self.spec.backbone

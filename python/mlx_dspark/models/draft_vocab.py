@@ -155,6 +155,15 @@ def row_subset(proj, ids: mx.array) -> Callable[[mx.array], mx.array]:
     return f
 
 
+def greedy_choice(z: mx.array, drafted: list):
+    """The chooser of a greedy draft (a plain argmax, so BlockDrafter.choose_in_vocab takes it
+    within the draft vocabulary): the argmax of each logits row ([..., V] -> [...] int32)."""
+    return mx.argmax(z, axis=-1).astype(mx.int32), None
+
+
+greedy_choice.argmax = True
+
+
 def expand(z: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
     """Logits over the subset [..., N] -> over the vocabulary [..., V], -inf outside it."""
     full = mx.full((*z.shape[:-1], vocab_size), -mx.inf, dtype=z.dtype)
@@ -166,6 +175,7 @@ __all__ = [
     "AUTO_COVERAGE",
     "FILE",
     "expand",
+    "greedy_choice",
     "parse_choice",
     "prefix",
     "ranking",

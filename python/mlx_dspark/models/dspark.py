@@ -29,6 +29,7 @@ import mlx.nn as nn
 
 from .checkpoints import DrafterSpec
 from .dflash import BlockDrafter, Chooser
+from .draft_vocab import greedy_choice, row_subset
 from .drafter_backbone import Backbone
 
 
@@ -112,14 +113,14 @@ class DSparkDrafter(BlockDrafter):
     def restrict_vocab(self, ids) -> None:
         super().restrict_vocab(ids)
         if self.markov is not None:
-            from .draft_vocab import row_subset
-
             self._w2 = row_subset(self.markov.markov_w2, self.vocab_ids)
 
     def markov_bias(self, prev: mx.array) -> mx.array:
+        """The transition bias after token `prev` (a scalar: [V']; one per row, [B]: [B, V'])."""
         if self.vocab_ids is None:
             return self.markov(prev)
-        return self._w2(self.markov.markov_w1(prev.reshape(1)))[0]
+        bias = self._w2(self.markov.markov_w1(prev.reshape(-1)))
+        return bias[0] if prev.ndim == 0 else bias
 
     def _native_chain(self, U: mx.array, prev: mx.array) -> mx.array | None:
         """kernels/draft_ops.markov_greedy over the slots' logits U, or None (MLX's ops run)."""
@@ -156,10 +157,7 @@ class DSparkDrafter(BlockDrafter):
         prev = anchors.astype(mx.int32)
         toks, prevs = [], []
         for j in range(k):  # the chain: slot j of every row after slot j - 1 of every row
-            w1 = self.markov.markov_w1(prev)
-            bias = self.markov.markov_w2(w1) if self.vocab_ids is None else self._w2(w1)
-            t = mx.argmax(U[:, j] + bias.astype(U.dtype), axis=-1).astype(mx.int32)
-            t = t if self.vocab_ids is None else self.vocab_ids[t]
+            t, _ = self.choose_in_vocab(U[:, j] + self.markov_bias(prev).astype(U.dtype), greedy_choice, toks)
             prevs.append(prev)
             toks.append(t)
             prev = t
